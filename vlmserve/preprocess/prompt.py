@@ -1,0 +1,98 @@
+"""[pool] Chat messages and decoded images -> token ids and numpy arrays for the worker."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from vlmserve.engine.params import PromptInputs
+
+log = logging.getLogger(__name__)
+SLOW_PREPROCESS_S = 1.0
+
+
+class PromptError(ValueError):
+    """The messages cannot be turned into a prompt (bad template input, image count...)."""
+
+
+def tokenizer_of(processor: Any) -> Any:
+    return getattr(processor, "tokenizer", processor)
+
+
+def render_chat(
+    processor: Any,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render the model's own chat template; images stay as ``{"type": "image"}`` parts."""
+    templater = processor if getattr(processor, "chat_template", None) else tokenizer_of(processor)
+    try:
+        return templater.apply_chat_template(
+            list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - jinja errors are the caller's input
+        raise PromptError(f"chat template failed: {exc}") from exc
+
+
+def encode(processor: Any, text: str, images: Sequence[Image.Image] = ()) -> PromptInputs:
+    """Tokenize a rendered prompt and preprocess its images with the model's processor."""
+    tokenizer = tokenizer_of(processor)
+    # The template already starts with BOS; letting the tokenizer add one doubles it.
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = not (bos and text.startswith(bos))
+    if not images:
+        ids = tokenizer(text, add_special_tokens=add_special)["input_ids"]
+        return PromptInputs(input_ids=[int(i) for i in ids])
+    out = processor(text=[text], images=list(images), return_tensors="np", add_special_tokens=add_special)
+    arrays = {key: _to_numpy(value) for key, value in out.items() if key not in ("input_ids", "attention_mask")}
+    ids = _to_numpy(out["input_ids"]).reshape(-1)
+    return PromptInputs(
+        input_ids=[int(i) for i in ids],
+        arrays={k: v for k, v in arrays.items() if v is not None},
+        num_images=len(images),
+    )
+
+
+def build_prompt(
+    processor: Any,
+    messages: Sequence[dict[str, Any]],
+    images: Sequence[Image.Image] = (),
+    tools: Sequence[dict[str, Any]] | None = None,
+    request_id: str = "-",
+) -> PromptInputs:
+    """Phase 1 for one request: template, tokenize, preprocess images; logs when slow."""
+    start = time.perf_counter()
+    count = sum(_count_images(m) for m in messages)
+    if count != len(images):
+        raise PromptError(f"{count} image parts in the messages but {len(images)} images given")
+    prompt = encode(processor, render_chat(processor, messages, tools), images)
+    elapsed = time.perf_counter() - start
+    if elapsed > SLOW_PREPROCESS_S:
+        log.warning("slow preprocessing: request %s, %d tokens, %.2f s", request_id, len(prompt), elapsed)
+    return prompt
+
+
+def _count_images(message: dict[str, Any]) -> int:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return 0
+    return sum(1 for part in content if isinstance(part, dict) and part.get("type") == "image")
+
+
+def _to_numpy(value: Any) -> np.ndarray | None:
+    # Some mlx-vlm processors (Gemma 4) return mx.arrays built from host data: no graph,
+    # no stream, so reading them back to numpy here is safe on any thread.
+    if value is None or isinstance(value, (str, bytes)):
+        return None
+    if isinstance(value, list) and value and not isinstance(value[0], (int, float, list)):
+        return None
+    return np.asarray(value)
