@@ -1,0 +1,91 @@
+"""[any] What every tool-call format shares: the call, the stream events and a format's contract."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+JSONObject = dict[str, Any]
+# (name, arguments) as a format's body parser finds them, before schema checks.
+RawCall = tuple[str, JSONObject]
+
+
+class ToolParseError(ValueError):
+    """A call's text cannot be read as a call; its raw text goes back to the content."""
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCall:
+    """One parsed call, arguments already checked against the request's tools."""
+
+    name: str
+    arguments: JSONObject
+    id: str
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+    def to_openai(self) -> JSONObject:
+        function = {"name": self.name, "arguments": self.arguments_json}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+@dataclass(slots=True, frozen=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallDelta:
+    """One `choices[0].delta.tool_calls[i]` chunk; id, name and type only on a call's first."""
+
+    index: int
+    arguments_json: str
+    id: str | None = None
+    name: str | None = None
+    type: Literal["function"] | None = None
+
+    def to_openai(self) -> JSONObject:
+        out: JSONObject = {"index": self.index}
+        if self.id is not None:
+            out |= {"id": self.id, "type": self.type}
+        function = {"arguments": self.arguments_json}
+        if self.name is not None:
+            function = {"name": self.name} | function
+        return out | {"function": function}
+
+
+StreamEvent = ContentDelta | ToolCallDelta
+
+
+@dataclass(slots=True, frozen=True)
+class ToolFormat:
+    """A format: the markers around one call and how to read the text between them.
+
+    `parse_body` returns the calls in the body (a format may put several in one)
+    and raises ToolParseError, and only that, on anything it cannot repair.
+    """
+
+    name: str
+    start: str
+    end: str
+    parse_body: Callable[[str], list[RawCall]]
+
+
+# JSON's number grammar: a zip code like 02134 stays a string.
+_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+
+
+def parse_number(text: str) -> int | float | None:
+    if not _NUMBER.fullmatch(text):
+        return None
+    return int(text) if text.lstrip("-").isdigit() else float(text)

@@ -1,0 +1,29 @@
+"""[any] The tool-call formats by name, and which one a model speaks."""
+
+from __future__ import annotations
+
+from vlmserve.tools import gemma4, hermes
+from vlmserve.tools.base import ToolFormat
+
+FORMATS: dict[str, ToolFormat] = {fmt.name: fmt for fmt in (gemma4.FORMAT, hermes.FORMAT)}
+PARSERS: tuple[str, ...] = tuple(FORMATS)
+ALIASES: dict[str, str] = {"qwen": "hermes"}
+
+
+def get_format(parser: str) -> ToolFormat:
+    fmt = FORMATS.get(ALIASES.get(parser, parser))
+    if fmt is None:
+        known = ", ".join((*PARSERS, *ALIASES))
+        raise ValueError(f"unknown tool parser {parser!r}; expected one of {known}")
+    return fmt
+
+
+def select_parser(model_type: str | None, chat_template: str | None) -> str | None:
+    """The format the chat template writes calls in, else the model family's; None if it has none."""
+    for name, fmt in FORMATS.items():
+        if chat_template and fmt.start in chat_template:
+            return name
+    family = (model_type or "").lower()
+    if family.startswith("gemma4"):
+        return "gemma4"
+    return "hermes" if family.startswith("qwen") else None
