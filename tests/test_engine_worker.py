@@ -75,8 +75,9 @@ def test_event_loop_stays_free_while_the_worker_is_busy(worker):
 def test_shutdown_fails_queued_tasks_instead_of_hanging():
     w = MLXWorkerThread(name="test-shutdown")
     w.start()
-    gate = threading.Event()
-    running = w.submit(gate.wait, 10)
+    entered, gate = threading.Event(), threading.Event()
+    running = w.submit(lambda: entered.set() or gate.wait(10))
+    entered.wait(10)
     queued = [w.submit(lambda: "never") for _ in range(5)]
     closer = threading.Thread(target=w.shutdown)
     closer.start()

@@ -1,0 +1,80 @@
+"""Shared fixtures: the offline micro models, a running engine, and request helpers."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image, ImageDraw
+
+from vlmserve.engine.core import EngineConfig
+from vlmserve.engine.params import SamplingParams
+from vlmserve.frontend.async_engine import AsyncEngine
+from vlmserve.testing import build_model
+
+
+@pytest.fixture(scope="session")
+def gemma4_micro() -> Path:
+    return build_model("gemma4", "micro")
+
+
+@pytest.fixture(scope="session")
+def gemma3_micro() -> Path:
+    return build_model("gemma3", "micro")
+
+
+@contextlib.asynccontextmanager
+async def running_engine(path: Path, **config: Any) -> AsyncIterator[AsyncEngine]:
+    engine = AsyncEngine(str(path), config=EngineConfig(**config))
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.shutdown()
+
+
+@dataclass(slots=True)
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[Any] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+def chat(text: str, n_images: int = 0) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "image"} for _ in range(n_images)]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+async def collect(engine: AsyncEngine, request_id: str, text: str, images: list[Image.Image] = (),
+                  params: SamplingParams = SamplingParams(max_tokens=12)) -> Result:
+    """Run one chat request to the end and gather everything it produced."""
+    result = Result()
+    async for out in engine.generate_chat(request_id, chat(text, len(images)), list(images), None, params):
+        result.token_ids += out.token_ids
+        result.text += out.text
+        result.logprobs += out.logprobs
+        result.finish_reason, result.error = out.finish_reason, out.error
+        result.num_prompt_tokens, result.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+    return result
+
+
+def scene(kind: str, color: tuple[int, int, int], size: int = 96) -> Image.Image:
+    """A distinct synthetic image: one shape on a light background."""
+    image = Image.new("RGB", (size, size), (240, 240, 235))
+    draw = ImageDraw.Draw(image)
+    box = (size // 5, size // 5, 4 * size // 5, 4 * size // 5)
+    if kind == "circle":
+        draw.ellipse(box, fill=color)
+    elif kind == "square":
+        draw.rectangle(box, fill=color)
+    else:
+        draw.polygon([(size // 2, size // 6), (size // 6, 5 * size // 6), (5 * size // 6, 5 * size // 6)], fill=color)
+    return image

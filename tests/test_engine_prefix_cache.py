@@ -1,0 +1,58 @@
+"""The prefix cache on the real engine: text prompts reuse KV, image prompts never touch it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from conftest import collect, running_engine, scene
+
+from vlmserve.engine.params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+SYSTEM = "You are a careful assistant. " * 12
+
+
+def _conversations():
+    return [(f"{SYSTEM} Question {q}", []) for q in ("one", "two", "three")]
+
+
+async def _run_all(path, cases, **config):
+    async with running_engine(path, **config) as engine:
+        before = await engine.stats()
+        results = [await collect(engine, f"r{i}", t, imgs, GREEDY) for i, (t, imgs) in enumerate(cases)]
+        after = await engine.stats()
+        return results, before.prefix, after.prefix
+
+
+def test_text_prompts_reuse_the_longest_cached_prefix(gemma4_micro):
+    cached, before, after = asyncio.run(_run_all(gemma4_micro, _conversations(), prefix_cache=True))
+    fresh, _, nothing = asyncio.run(_run_all(gemma4_micro, _conversations(), prefix_cache=False))
+    assert nothing is None
+    assert cached[0].num_cached_tokens == 0  # the warm-up had an image: nothing was stored
+    assert all(r.num_cached_tokens > 40 for r in cached[1:])  # the long system prompt was reused
+    assert (after.hits - before.hits, after.misses - before.misses) == (2, 1)
+    assert [r.token_ids for r in cached] == [r.token_ids for r in fresh]
+
+
+def test_identical_prompt_reuses_all_but_the_last_token(gemma4_micro):
+    results, _, _ = asyncio.run(_run_all(gemma4_micro, [("same words", [])] * 2, prefix_cache=True))
+    assert results[1].num_cached_tokens == results[1].num_prompt_tokens - 1
+    assert results[0].token_ids == results[1].token_ids
+
+
+def test_image_prompts_skip_the_cache_entirely(gemma4_micro):
+    """Same text, different images of the same size: never shared KV, outputs as with the cache off."""
+    red, green = scene("circle", (220, 30, 30)), scene("triangle", (30, 170, 60))
+    cases = [("what is in the image?", [red]), ("what is in the image?", [green]), ("what is in the image?", [red])]
+    cached, before, after = asyncio.run(_run_all(gemma4_micro, cases, prefix_cache=True))
+    fresh, _, _ = asyncio.run(_run_all(gemma4_micro, cases, prefix_cache=False))
+    assert (after.hits, after.misses, after.entries) == (before.hits, before.misses, before.entries)  # no lookup, no store
+    assert all(r.num_cached_tokens == 0 for r in cached)
+    assert [r.token_ids for r in cached] == [r.token_ids for r in fresh]
+    assert cached[0].token_ids != cached[1].token_ids  # the image really conditions the answer
+
+
+def test_cache_is_bounded_in_entries(gemma4_micro):
+    cases = [(f"topic {i}: " + "word " * (5 + i), []) for i in range(6)]
+    _, _, after = asyncio.run(_run_all(gemma4_micro, cases, prefix_cache=True, prefix_cache_entries=2))
+    assert after.entries <= 2 and after.bytes > 0

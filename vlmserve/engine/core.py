@@ -1,0 +1,239 @@
+"""[worker] EngineCore: the worker's step. Drain inbox and aborts -> admit -> run one step -> publish."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from vlmserve.engine.loader import LoadedModel
+from vlmserve.engine.prefix_cache import PrefixCache, PrefixCacheStats
+from vlmserve.engine.request import AbortRequest, AddRequest, Request, RequestStatus, StepOutput
+from vlmserve.engine.runner import ModelRunner
+from vlmserve.engine.sampler import RowState, Sampled, sample
+from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
+from vlmserve.engine.worker import MLXWorkerThread
+
+log = logging.getLogger(__name__)
+_EARLY_ABORTS = 4096  # aborts that overtook their request; bounded so a leak cannot grow
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    max_batch_size: int = 8
+    max_queue: int = 64  # requests waiting beyond the batch before submissions fail fast
+    prefill_chunk: int = 512
+    prefix_cache: bool = True
+    prefix_cache_entries: int = 32
+    prefix_cache_bytes: int = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """Counters the worker writes and other threads read (plain ints and floats)."""
+
+    steps: int = 0
+    last_step_s: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    batch_size: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    step_errors: int = 0
+    prefix: PrefixCacheStats | None = None
+
+
+@dataclass(slots=True)
+class _Pending:
+    """What one step has for one request, published once at the end of the step."""
+
+    req: Request
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[object] = field(default_factory=list)
+    finish: RequestStatus | None = None
+    error: str | None = None
+
+
+class EngineCore:
+    """Owns the scheduler, the runner and the prefix cache; every method runs on the worker."""
+
+    def __init__(self, loaded: LoadedModel, worker: MLXWorkerThread, config: EngineConfig = EngineConfig()) -> None:
+        self.loaded = loaded
+        self.worker = worker
+        self.config = config
+        self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.prefill_chunk))
+        self.runner = ModelRunner(loaded, config.prefill_chunk)
+        self.prefix_cache = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes) if config.prefix_cache else None
+        self.metrics = EngineMetrics()
+        self._inbox: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()
+        self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._pending: dict[str, _Pending] = {}
+        self._requests: dict[str, Request] = {}
+
+    # -- any thread --------------------------------------------------------------
+
+    def post(self, message: AddRequest | AbortRequest) -> None:
+        """Non-blocking from any thread; the worker applies it at its next iteration."""
+        self._inbox.put(message)
+        self.worker.wake()
+
+    # -- the worker's Stepper protocol ----------------------------------------------
+
+    def has_work(self) -> bool:
+        return not self._inbox.empty() or self.scheduler.has_unfinished()
+
+    def step(self) -> None:
+        self.worker.assert_on_worker()
+        start = time.perf_counter()
+        self._drain_inbox()
+        plan = self.scheduler.schedule()
+        if plan.decode:
+            self._guarded(plan.decode, self._decode, plan.decode)
+        for req in plan.prefill:
+            if req.status is RequestStatus.RUNNING:
+                self._guarded([req], self._prefill, req)
+        self._publish()
+        self._record(time.perf_counter() - start, bool(plan.decode or plan.prefill))
+
+    # -- inbox ----------------------------------------------------------------------
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, AddRequest):
+                self._add(message)
+            else:
+                self._abort(message.request_id)
+
+    def _add(self, message: AddRequest) -> None:
+        if message.request_id in self._early_aborts:
+            del self._early_aborts[message.request_id]
+            message.sink(StepOutput(message.request_id, finish_reason=RequestStatus.FINISHED_ABORTED.value))
+            return
+        req = Request(
+            message.request_id, message.prompt, message.params, message.sink,
+            eos_token_ids=self.loaded.eos_token_ids, max_context=self.loaded.max_context,
+        )
+        self._requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def _abort(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None:  # not arrived yet (or already gone): drop it when it does
+            self._early_aborts[request_id] = None
+            while len(self._early_aborts) > _EARLY_ABORTS:
+                self._early_aborts.popitem(last=False)
+            return
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    # -- one step -------------------------------------------------------------------
+
+    def _decode(self, reqs: list[Request]) -> None:
+        by_id = {r.request_id: r for r in reqs}
+        rows = [by_id[sid] for sid in self.runner.batch]
+        assert len(rows) == len(reqs), "decode batch out of step with the scheduler"
+        logits = self.runner.decode([r.last_token_id for r in rows])
+        self._take(rows, sample(logits, [r.sampling for r in rows]))
+
+    def _prefill(self, req: Request) -> None:
+        if req.seq is None:
+            self._start(req)
+        logits = self.runner.prefill_step(req.seq)
+        req.num_computed_tokens = req.seq.num_computed
+        if logits is None:
+            return
+        self.metrics.prompt_tokens += req.num_prompt_tokens - req.num_cached_tokens
+        if self.prefix_cache is not None and not req.prompt.has_images:
+            self.prefix_cache.store(req.prompt.input_ids, req.seq.cache)
+        req.sampling = RowState.create(req.params, req.prompt.input_ids)
+        if self._take([req], sample(logits, [req.sampling])):
+            self.runner.join_batch(req.seq)
+
+    def _start(self, req: Request) -> None:
+        cache, cached = None, 0
+        # Never reuse KV for a prompt with pixel_values: same tokens, different image.
+        if self.prefix_cache is not None and not req.prompt.has_images:
+            cache, cached = self.prefix_cache.lookup(req.prompt.input_ids)
+        req.seq = self.runner.start(req.request_id, req.prompt, cache, cached)
+        req.num_cached_tokens = cached
+
+    def _take(self, reqs: list[Request], sampled: Sampled) -> bool:
+        """Record sampled tokens; finish requests that are done. True if the last one goes on."""
+        alive = True
+        for req, token, logprob in zip(reqs, sampled.token_ids, sampled.logprobs):
+            status = req.append_token(token)
+            pending = self._pending_for(req)
+            if status is not RequestStatus.FINISHED_STOPPED:
+                pending.tokens.append(token)
+                pending.logprobs.append(logprob)
+                self.metrics.generated_tokens += 1
+            alive = status is None
+            if status is not None:
+                self._finish(req, status)
+        return alive
+
+    def _guarded(self, reqs: list[Request], fn, *args) -> None:  # noqa: ANN001 - fn(*args)
+        """Run one part of a step; if it raises, fail just the requests it touched."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - an engine fault ends its requests, not the engine
+            log.exception("engine step failed for %s", [r.request_id for r in reqs])
+            self.metrics.step_errors += 1
+            for req in reqs:
+                if not req.status.finished:
+                    self._finish(req, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
+
+    def _finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
+        self.scheduler.finish(req, status)
+        self.runner.leave_batch([req.request_id])
+        self._requests.pop(req.request_id, None)
+        req.seq = req.sampling = None
+        pending = self._pending_for(req)
+        pending.finish, pending.error = status, error
+
+    def _pending_for(self, req: Request) -> _Pending:
+        pending = self._pending.get(req.request_id)
+        if pending is None:
+            pending = self._pending[req.request_id] = _Pending(req)
+        return pending
+
+    def _publish(self) -> None:
+        for p in self._pending.values():
+            req = p.req
+            out = StepOutput(
+                req.request_id, tuple(p.tokens), tuple(p.logprobs),
+                p.finish.value if p.finish else None, p.error,
+                req.num_prompt_tokens, req.num_cached_tokens, self.metrics.steps + 1,
+            )
+            try:
+                req.sink(out)
+            except Exception:  # noqa: BLE001 - a closed event loop must not kill the worker
+                log.exception("could not deliver output of %s", req.request_id)
+        self._pending.clear()
+
+    def _record(self, seconds: float, worked: bool) -> None:
+        m = self.metrics
+        if worked:
+            m.steps += 1
+            m.last_step_s = seconds
+        m.running, m.waiting = self.scheduler.num_running, self.scheduler.num_waiting
+        m.batch_size = len(self.runner.batch)
+        m.prefix = self.prefix_cache.stats() if self.prefix_cache is not None else None
+
+    def snapshot(self) -> EngineMetrics:
+        """Exact counters between steps (call on the worker); ``metrics`` may lag a step."""
+        self._record(self.metrics.last_step_s, False)
+        return dataclasses.replace(self.metrics)
+
+    def fail_all(self, message: str) -> None:
+        """Shutdown: every waiting and running request gets a final error item."""
+        self._drain_inbox()
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._finish(req, RequestStatus.FINISHED_ERROR, message)
+        self._publish()

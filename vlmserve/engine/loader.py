@@ -1,0 +1,123 @@
+"""[worker] Loading a model with mlx-vlm on the worker thread, plus what the engine needs to know about it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+log = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded: a bad path, a bad config or corrupt weights."""
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model and its processor, created on (and owned by) one worker thread."""
+
+    name: str
+    path: Path
+    model: nn.Module
+    processor: Any
+    model_type: str
+    eos_token_ids: frozenset[int]
+    max_context: int
+    load_seconds: float
+
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.processor, "tokenizer", self.processor)
+
+
+def load_model(path_or_id: str, name: str | None = None) -> LoadedModel:
+    """Load with ``mlx_vlm.load`` and materialize every weight on the calling thread.
+
+    Must run on the worker: the weights become arrays of this thread's stream.
+    """
+    from mlx_vlm.utils import load  # heavy import; keep it off module import
+
+    start = time.perf_counter()
+    _check_local_path(path_or_id)
+    try:
+        with warnings.catch_warnings():
+            # Gemma 4's processor builds an audio front end we never use; its mel warning is noise.
+            warnings.filterwarnings("ignore", message="At least one mel filter")
+            model, processor = load(path_or_id)
+        mx.eval(model.parameters())
+    except Exception as exc:  # noqa: BLE001 - every loader failure becomes one clear error
+        raise ModelLoadError(f"cannot load model {path_or_id!r}: {type(exc).__name__}: {exc}") from exc
+    config = model.config
+    loaded = LoadedModel(
+        name=name or path_or_id,
+        path=Path(path_or_id),
+        model=model,
+        processor=processor,
+        model_type=str(getattr(config, "model_type", "unknown")),
+        eos_token_ids=_eos_token_ids(config, processor),
+        max_context=_max_context(config),
+        load_seconds=time.perf_counter() - start,
+    )
+    log.info("loaded %s (%s) in %.2f s", loaded.name, loaded.model_type, loaded.load_seconds)
+    return loaded
+
+
+def _check_local_path(path_or_id: str) -> None:
+    # A path-looking argument that does not exist would otherwise be sent to the Hub.
+    looks_local = path_or_id.startswith((".", "/", "~")) or path_or_id.count("/") > 1
+    path = Path(path_or_id).expanduser()
+    if looks_local and not path.exists():
+        raise ModelLoadError(f"cannot load model {path_or_id!r}: no such directory")
+    if path.exists() and not (path / "config.json").is_file():
+        raise ModelLoadError(f"cannot load model {path_or_id!r}: no config.json in {path}")
+
+
+def _eos_token_ids(config: Any, processor: Any) -> frozenset[int]:
+    """EOS from the model config, the generation config and the tokenizer's end of turn."""
+    ids: set[int] = set()
+    for source in (
+        getattr(config, "eos_token_id", None),
+        getattr(getattr(config, "text_config", None), "eos_token_id", None),
+    ):
+        ids.update([source] if isinstance(source, int) else list(source or []))
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    for token in ("<end_of_turn>", "<turn|>", "<|im_end|>", "<|eot_id|>", "<|end|>"):
+        token_id = tokenizer.convert_tokens_to_ids(token) if token in tokenizer.get_vocab() else None
+        if token_id is not None:
+            ids.add(token_id)
+    return frozenset(i for i in ids if isinstance(i, int) and i >= 0)
+
+
+def _max_context(config: Any) -> int:
+    text = getattr(config, "text_config", config)
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length"):
+        value = getattr(text, key, None) or getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 8192
+
+
+_process_configured = False
+_process_lock = threading.Lock()
+
+
+def configure_process() -> None:
+    """Process-global MLX settings, applied once however many engines start at the same time."""
+    global _process_configured
+    with _process_lock:
+        if _process_configured:
+            return
+        _process_configured = True
+        if mx.metal.is_available():
+            # Keep weights wired on Apple Silicon, as mlx-lm's server does.
+            mx.set_wired_limit(mx.device_info()["max_recommended_working_set_size"])

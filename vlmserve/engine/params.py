@@ -1,0 +1,74 @@
+"""[any] Per-request sampling parameters and the prompt a request carries. No MLX here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request; validated at the API edge."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0 or not 0 <= self.min_p <= 1:
+            raise ValueError("top_k must be >= 0 and min_p in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError("top_logprobs must be in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling looks at the tokens generated so far (penalties)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class PromptInputs:
+    """Phase-1 output: plain lists and numpy arrays, never ``mx.array``.
+
+    ``arrays`` holds what the processor returned besides ``input_ids`` (``pixel_values``,
+    ``image_grid_thw``, ``mm_token_type_ids``...), passed to the model by name.
+    """
+
+    input_ids: list[int]
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    num_images: int = 0
+
+    @property
+    def has_images(self) -> bool:
+        return "pixel_values" in self.arrays
+
+    def __len__(self) -> int:
+        return len(self.input_ids)

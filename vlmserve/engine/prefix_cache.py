@@ -1,0 +1,59 @@
+"""[worker] Prefix cache for text prompts: reuse the KV of the longest cached token prefix.
+
+Never consulted for prompts with pixel_values: the same token ids with a different
+image must not share KV. The engine enforces that by asking ``prompt.has_images``,
+not the model config's image token (Gemma 4 does not set ``image_token_index``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+_KEY = "model"  # LRUPromptCache is keyed by model too; one cache serves one model
+
+
+@dataclass(slots=True, frozen=True)
+class PrefixCacheStats:
+    entries: int
+    bytes: int
+    hits: int
+    misses: int
+    hit_tokens: int
+
+
+class PrefixCache:
+    """An LRU of per-request KV caches bounded in entries and bytes (mlx-lm's trie-backed LRU)."""
+
+    def __init__(self, max_entries: int = 32, max_bytes: int = 1 << 30) -> None:
+        self._lru = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
+        self.hits = 0
+        self.misses = 0
+        self.hit_tokens = 0
+
+    def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
+        """A private copy of the longest cached prefix's KV and its length (at least one token is left)."""
+        cache, rest = self._lru.fetch_nearest_cache(_KEY, tokens)
+        cached = len(tokens) - len(rest)
+        if cache is not None and cached == len(tokens):
+            # The last prompt token must be computed to get the first logits.
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                cached -= 1
+            else:
+                cache, cached = None, 0
+        if cache is None or cached <= 0:
+            self.misses += 1
+            return None, 0
+        self.hits += 1
+        self.hit_tokens += cached
+        return cache, cached
+
+    def store(self, tokens: list[int], cache: list[Any]) -> None:
+        """Keep a finished prefill's KV; the caller must not mutate ``cache`` afterwards."""
+        self._lru.insert_cache(_KEY, list(tokens), cache)
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(len(self._lru), self._lru.nbytes, self.hits, self.misses, self.hit_tokens)

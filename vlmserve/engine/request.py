@@ -1,0 +1,104 @@
+"""[worker] A request as the scheduler sees it, and the typed messages that cross the thread boundary.
+
+No MLX here: the scheduler and request code are tested with plain fakes.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmserve.engine.params import PromptInputs, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(slots=True, frozen=True)
+class StepOutput:
+    """What one step produced for one request; the last one carries ``finish_reason``."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[Any, ...] = ()
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    step: int = 0  # the engine step that produced it (admission delay, tests)
+
+
+OutputSink = Callable[[StepOutput], None]
+
+
+@dataclass(slots=True, frozen=True)
+class AddRequest:
+    """Loop -> worker: a preprocessed request ready to be scheduled."""
+
+    request_id: str
+    prompt: PromptInputs
+    params: SamplingParams
+    sink: OutputSink
+
+
+@dataclass(slots=True, frozen=True)
+class AbortRequest:
+    """Any thread -> worker: stop this request at the next iteration and free its slot."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class Request:
+    """One request's state on the worker. Only its own methods and the scheduler change it."""
+
+    request_id: str
+    prompt: PromptInputs
+    params: SamplingParams
+    sink: OutputSink
+    eos_token_ids: frozenset[int] = frozenset()
+    max_context: int = 1 << 30
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    seq: Any = None  # the runner's SeqState: KV and prompt arrays
+    sampling: Any = None  # the sampler's RowState
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt.input_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1]
+
+    def append_token(self, token_id: int) -> RequestStatus | None:
+        """Record a sampled token; returns the finished status if this token ends the request."""
+        p = self.params
+        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
+            return RequestStatus.FINISHED_STOPPED  # the stop token itself is not output
+        self.output_token_ids.append(token_id)
+        if len(self.output_token_ids) >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_prompt_tokens + len(self.output_token_ids) >= self.max_context:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,1 @@
+"""[loop] The asyncio side of the engine: submit, stream, abort; output processing."""

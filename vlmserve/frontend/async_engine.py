@@ -1,0 +1,205 @@
+"""[loop] AsyncEngine: submit, stream and abort requests of one model from asyncio.
+
+Phase 1 (template, tokenization, images) runs on a thread pool; phase 2 on the model's
+MLX worker thread. The event loop only moves messages: it never runs or waits on MLX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from PIL import Image
+
+from vlmserve.engine.core import EngineConfig, EngineCore, EngineMetrics
+from vlmserve.engine.loader import LoadedModel, configure_process, load_model
+from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.request import AbortRequest, AddRequest, StepOutput
+from vlmserve.engine.worker import MLXWorkerThread
+from vlmserve.frontend.output import OutputProcessor, RequestOutput
+from vlmserve.preprocess.prompt import build_prompt
+
+log = logging.getLogger(__name__)
+_ids = itertools.count()
+PromptFactory = Callable[[Any], PromptInputs]  # processor -> prompt, run on the pool
+
+
+class EngineError(RuntimeError):
+    """Base of the engine's own errors."""
+
+
+class EngineOverloadedError(EngineError):
+    """Too many requests in flight; retry later (the API answers 429)."""
+
+
+class EngineNotReadyError(EngineError):
+    """The engine is starting, shut down, or its worker died (the API answers 503)."""
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit the model's context (the API answers 400)."""
+
+
+class AsyncEngine:
+    """One model: its worker thread, its EngineCore, and the asyncio side of every request."""
+
+    def __init__(self, model: str, name: str | None = None, config: EngineConfig = EngineConfig(),
+                 pool: ThreadPoolExecutor | None = None) -> None:
+        self.model_spec = model
+        self.name = name or model
+        self.config = config
+        self._pool = pool or ThreadPoolExecutor(max_workers=4, thread_name_prefix="preprocess")
+        self.worker = MLXWorkerThread(name=f"mlx-{self.name}")
+        self.loaded: LoadedModel | None = None
+        self.core: EngineCore | None = None
+        self.ready = False
+        self.dead_reason: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, asyncio.Queue[StepOutput]] = {}
+
+    # -- life cycle ------------------------------------------------------------------
+
+    async def start(self, warmup: bool = True) -> None:
+        """Load on the worker, warm up through the real step, then become ready."""
+        self._loop = asyncio.get_running_loop()
+        self.worker.on_exit = self._on_worker_exit_threadsafe
+        self.worker.start()
+        self.loaded = await self.worker.run(self._load)
+        self.core = EngineCore(self.loaded, self.worker, self.config)
+        self.worker.set_stepper(self.core)
+        if warmup:
+            await self._warmup()
+        self.ready = True
+
+    def _load(self) -> LoadedModel:
+        self.worker.assert_on_worker()
+        configure_process()
+        return load_model(self.model_spec, self.name)
+
+    async def _warmup(self) -> None:
+        image = Image.new("RGB", (64, 64), (128, 64, 32))
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
+        request_id = f"warmup-{next(_ids)}"
+        try:
+            async for _ in self.generate_chat(request_id, messages, [image], None, SamplingParams(max_tokens=2)):
+                pass
+        finally:
+            self.abort(request_id)  # whatever happened, the warm-up leaves nothing behind
+
+    async def shutdown(self, message: str = "engine is shutting down") -> None:
+        """Wake every waiting request with an error, stop the worker and join it."""
+        self.ready = False
+        self.dead_reason = self.dead_reason or message
+        self._fail_streams(message)
+        if self.core is not None and self.worker.alive:
+            try:
+                await asyncio.wait_for(self.worker.run(self.core.fail_all, message), timeout=10)
+            except Exception:  # noqa: BLE001 - a dying worker is being stopped anyway
+                log.warning("engine %s: could not fail requests on the worker", self.name)
+        await asyncio.get_running_loop().run_in_executor(None, self.worker.shutdown)
+
+    def _on_worker_exit_threadsafe(self, error: BaseException | None) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._on_worker_exit, error)
+            except RuntimeError:
+                pass  # the loop closed between the check and the call
+
+    def _on_worker_exit(self, error: BaseException | None) -> None:
+        self.ready = False
+        reason = f"MLX worker died: {error!r}" if error else "MLX worker stopped"
+        self.dead_reason = self.dead_reason or reason
+        self._fail_streams(self.dead_reason)
+
+    def _fail_streams(self, message: str) -> None:
+        for request_id, q in self._streams.items():
+            q.put_nowait(StepOutput(request_id, finish_reason="error", error=message))
+
+    # -- requests ------------------------------------------------------------------------
+
+    def generate_chat(self, request_id: str, messages: Sequence[dict[str, Any]], images: Sequence[Image.Image],
+                      tools: Sequence[dict[str, Any]] | None, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Chat messages (images as ``{"type": "image"}`` parts) -> a stream of outputs."""
+        return self.generate(request_id, lambda proc: build_prompt(proc, messages, images, tools, request_id), params)
+
+    async def generate(self, request_id: str, prompt: PromptInputs | PromptFactory,
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream outputs for one request; cancelling the consumer aborts the request."""
+        self._admit(request_id)
+        q: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self._streams[request_id] = q
+        submitted = engine_done = False
+        try:
+            prompt = await self._phase1(prompt)
+            self._check_fits(prompt)
+            self._check_alive()
+            self.core.post(AddRequest(request_id, prompt, params, self._sink(q)))
+            submitted = True
+            output = OutputProcessor(self.loaded.tokenizer, params.stop)
+            while True:
+                step = await q.get()
+                engine_done = step.finish_reason is not None
+                result = output.process(step)
+                yield result
+                if result.finished:
+                    return
+        finally:
+            del self._streams[request_id]
+            if submitted and not engine_done:
+                self.abort(request_id)  # disconnect, break or stop string: the worker frees the slot
+
+    def abort(self, request_id: str) -> None:
+        """Non-blocking, from any thread: the worker applies it at its next iteration."""
+        if self.core is not None:
+            self.core.post(AbortRequest(request_id))
+
+    def _admit(self, request_id: str) -> None:
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if len(self._streams) >= self.config.max_batch_size + self.config.max_queue:
+            raise EngineOverloadedError(
+                f"model {self.name!r} is overloaded: {len(self._streams)} requests in flight; retry later"
+            )
+
+    def _check_alive(self) -> None:
+        if self.core is None or self.dead_reason is not None or not self.worker.alive:
+            raise EngineNotReadyError(f"model {self.name!r} is not available: {self.dead_reason or 'not started'}")
+
+    async def _phase1(self, prompt: PromptInputs | PromptFactory) -> PromptInputs:
+        if isinstance(prompt, PromptInputs):
+            return prompt
+        processor = self.loaded.processor
+        return await asyncio.get_running_loop().run_in_executor(self._pool, prompt, processor)
+
+    def _check_fits(self, prompt: PromptInputs) -> None:
+        limit = self.loaded.max_context
+        if len(prompt) + 1 > limit:
+            raise PromptTooLongError(f"prompt is {len(prompt)} tokens; model {self.name!r} allows at most {limit - 1}")
+
+    def _sink(self, q: asyncio.Queue[StepOutput]) -> Callable[[StepOutput], None]:
+        loop = asyncio.get_running_loop()
+
+        def deliver(out: StepOutput) -> None:  # runs on the worker
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+        return deliver
+
+    # -- introspection -------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def stats(self) -> EngineMetrics:
+        """Exact engine counters, read on the worker between two steps."""
+        self._check_alive()
+        return await self.worker.run(self.core.snapshot)
+
+    @property
+    def metrics(self) -> EngineMetrics | None:
+        return self.core.metrics if self.core is not None else None

@@ -1,0 +1,77 @@
+"""[loop] Output processing, once per step per request: token ids -> text delta, stop strings, usage."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vlmserve.engine.request import StepOutput
+from vlmserve.frontend.detokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True, frozen=True)
+class RequestOutput:
+    """What a consumer of ``AsyncEngine.generate`` sees for one step of one request."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[Any, ...]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None
+    engine_step: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class OutputProcessor:
+    """Per request: detokenizes incrementally and cuts the text at the first stop string.
+
+    Text that might be the start of a stop string is held back until it is certain.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = tuple(s for s in stop if s)
+        self._held = ""
+        self.num_completion_tokens = 0
+        self.stopped = False  # a stop string matched: the engine must abort the request
+
+    def process(self, out: StepOutput) -> RequestOutput:
+        self.num_completion_tokens += len(out.token_ids)
+        text = "".join(self._detok.add(t) for t in out.token_ids)
+        if out.finish_reason is not None:
+            text += self._detok.flush()
+        text, finish = self._apply_stop(text, final=out.finish_reason is not None)
+        return RequestOutput(
+            out.request_id, text, out.token_ids, out.logprobs, finish or out.finish_reason,
+            out.num_prompt_tokens, self.num_completion_tokens, out.num_cached_tokens, out.error, out.step,
+        )
+
+    def _apply_stop(self, text: str, final: bool) -> tuple[str, str | None]:
+        if not self._stop:
+            return text, None
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            self._held, self.stopped = "", True
+            return buf[: min(hits)], "stop"
+        keep = 0 if final else self._partial_suffix(buf)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], None
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(buf)), best, -1):
+                if buf.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
