@@ -1,0 +1,153 @@
+"""[main] The ``vlmserve`` command: caption one image, build offline models."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import queue
+import sys
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlmserve.config import DEFAULT_PROMPT, CaptionConfig, resolve_model
+
+EXIT_USAGE = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlmserve", description="Serve vision-language models on MLX.")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    cap = sub.add_parser("caption", help="caption one image and print the text as it is generated")
+    cap.add_argument("image", type=Path)
+    cap.add_argument("--model", default=None, help="local directory or Hub id (default: built-in model)")
+    cap.add_argument("--prompt", default=DEFAULT_PROMPT)
+    cap.add_argument("--max-tokens", type=int, default=64)
+    cap.add_argument("--temperature", type=float, default=0.0)
+    cap.add_argument("--seed", type=int, default=None)
+    cap.set_defaults(func=_caption_command)
+
+    build = sub.add_parser("build-model", help="build a small offline model (random weights) in HF layout")
+    build.add_argument("--arch", default="gemma4")
+    build.add_argument("--size", default="micro")
+    build.add_argument("--out", type=Path, default=None, help="directory (default: the shared model cache)")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--ignore-eos", action="store_true", help="the model never emits EOS (benchmarks)")
+    build.add_argument("--force", action="store_true")
+    build.set_defaults(func=_build_command)
+    return parser
+
+
+def _build_command(args: argparse.Namespace) -> int:
+    from vlmserve.testing import build_model
+
+    try:
+        path = build_model(args.arch, args.size, out=args.out, seed=args.seed, ignore_eos=args.ignore_eos, force=args.force)
+    except ValueError as exc:
+        return _fail(str(exc))
+    print(path)
+    return 0
+
+
+def _caption_command(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1:
+        return _fail("--max-tokens must be at least 1")
+    if args.temperature < 0:
+        return _fail("--temperature must be >= 0")
+    config = CaptionConfig(args.image, args.model, args.prompt, args.max_tokens, args.temperature, args.seed)
+    return caption(config)
+
+
+def _fail(message: str) -> int:
+    print(f"vlmserve: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+# -- caption ----------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class _Done:
+    """The worker's last message to the printing thread."""
+
+    error: BaseException | None = None
+
+
+def caption(config: CaptionConfig) -> int:
+    """Decode the image, load the model on a worker thread, stream the caption to stdout."""
+    from vlmserve.engine.loader import ModelLoadError, load_model
+    from vlmserve.engine.worker import MLXWorkerThread
+    from vlmserve.preprocess.images import ImageError, load_image_file
+
+    try:
+        image = load_image_file(config.image)
+    except ImageError as exc:
+        return _fail(str(exc))
+    model_path, name = resolve_model(config.model)
+    worker = MLXWorkerThread(name="mlx-caption")
+    worker.start()
+    try:
+        loaded = _wait_with_spinner(worker.submit(load_model, model_path, name), f"loading {name}")
+        return _stream_caption(worker, loaded, image, config)
+    except ModelLoadError as exc:
+        return _fail(str(exc))
+    finally:
+        worker.shutdown()
+
+
+def _stream_caption(worker: Any, loaded: Any, image: Any, config: CaptionConfig) -> int:
+    from vlmserve.engine.params import SamplingParams
+    from vlmserve.frontend.detokenizer import IncrementalDetokenizer
+    from vlmserve.preprocess.prompt import build_prompt
+
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": config.prompt}]}]
+    prompt = build_prompt(loaded.processor, messages, [image])
+    params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, seed=config.seed)
+    tokens: queue.SimpleQueue[int | _Done] = queue.SimpleQueue()
+    worker.submit(_generate_into, worker, loaded, prompt, params, tokens)
+    detok = IncrementalDetokenizer(loaded.tokenizer)
+    while not isinstance(item := tokens.get(), _Done):
+        sys.stdout.write(detok.add(item))
+        sys.stdout.flush()
+    sys.stdout.write(detok.flush() + "\n")
+    if item.error is not None:
+        raise item.error
+    return 0
+
+
+def _generate_into(worker: Any, loaded: Any, prompt: Any, params: Any, out: queue.SimpleQueue) -> None:
+    from vlmserve.engine.generate import generate_tokens
+    from vlmserve.engine.runner import ModelRunner
+
+    worker.assert_on_worker()
+    try:
+        for token in generate_tokens(ModelRunner(loaded), prompt, params):
+            out.put(token)
+    except Exception as exc:  # noqa: BLE001 - re-raised on the main thread
+        out.put(_Done(exc))
+    else:
+        out.put(_Done())
+
+
+def _wait_with_spinner(future: Future, label: str) -> Any:
+    from tqdm import tqdm
+
+    with tqdm(desc=label, bar_format="{desc} {elapsed}", file=sys.stderr, leave=False) as bar:
+        while True:
+            try:
+                return future.result(timeout=0.1)
+            except TimeoutError:
+                bar.refresh()  # redraws the elapsed time
+
+
+if __name__ == "__main__":
+    sys.exit(main())
