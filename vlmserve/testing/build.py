@@ -1,0 +1,186 @@
+"""[any] Build an offline model directory once, atomically, into a cache tests and benchmarks share.
+
+A build runs in a private temp directory next to its destination and is renamed into place
+whole, so a concurrent reader (another pytest-xdist worker, a benchmark) sees either nothing or a
+complete model. A cache hit imports neither mlx nor transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
+
+ARCHS = ("gemma4", "gemma3")
+SIZES = ("micro", "small")
+# Bump when anything that shapes the files changes: the cache key includes it.
+BUILDER_VERSION = 1
+MARKER = "vlmserve_build.json"  # written last inside the build; names what was built
+STAGES = ("tokenizer", "processor", "weights", "save")
+
+
+@dataclass(frozen=True, slots=True)
+class BuildKey:
+    arch: str
+    size: str
+    seed: int
+    ignore_eos: bool
+    builder_version: int = BUILDER_VERSION
+    # the tokenizer is trained on this interpreter's stdlib sources
+    python: str = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+    @property
+    def dirname(self) -> str:
+        eos = "-ignore_eos" if self.ignore_eos else ""
+        version = f"v{self.builder_version}-py{self.python}"
+        return f"{self.arch}-{self.size}-seed{self.seed}{eos}-{version}"
+
+
+def model_cache_dir() -> Path:
+    """``$VLMSERVE_MODEL_CACHE``, else ``~/.cache/vlmserve/models``."""
+    env = os.environ.get("VLMSERVE_MODEL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "vlmserve" / "models"
+
+
+def build_model(
+    arch: str = "gemma4",
+    size: str = "micro",
+    *,
+    out: str | Path | None = None,
+    seed: int = 0,
+    ignore_eos: bool = False,
+    force: bool = False,
+) -> Path:
+    """Return a directory ``mlx_vlm.load`` can load, building it unless it is already complete.
+
+    ``out=None`` uses the shared cache; ``ignore_eos=True`` zeroes the special tokens' output
+    rows so every request runs to max_tokens (for benchmarks, see weights.silence_tokens).
+    """
+    key = BuildKey(_checked(arch, ARCHS, "arch"), _checked(size, SIZES, "size"), seed, ignore_eos)
+    dest = Path(out) if out is not None else model_cache_dir() / key.dirname
+    if not force and is_complete(dest, key):
+        return dest
+    replace = force or out is not None  # a cache entry is only ever replaced on request
+    if replace:
+        check_replaceable(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared
+    try:
+        write_model(key, tmp)
+        return publish(tmp, dest, key, replace=replace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _checked(value: str, allowed: tuple[str, ...], what: str) -> str:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; choose one of: {', '.join(allowed)}")
+    return value
+
+
+def is_complete(path: Path, key: BuildKey) -> bool:
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("key") == asdict(key)
+
+
+def publish(tmp: Path, dest: Path, key: BuildKey, *, replace: bool) -> Path:
+    """Rename the finished build into place; if another builder won the race, keep theirs."""
+    if replace:
+        remove_build(dest)
+    try:
+        os.rename(tmp, dest)
+    except OSError:
+        if not is_complete(dest, key):
+            raise  # something that is not our model occupies dest
+    return dest
+
+
+def check_replaceable(path: Path) -> None:
+    """Only an earlier build or an empty directory may be replaced: never a user's files."""
+    if path.exists() and not (path / MARKER).exists() and any(path.iterdir()):
+        raise FileExistsError(f"{path} is not empty and holds no vlmserve build; not replacing it")
+
+
+def remove_build(path: Path) -> None:
+    if not path.exists():
+        return
+    check_replaceable(path)
+    trash = path.with_name(f".{path.name}.{os.getpid()}.old")
+    os.rename(path, trash)  # gone from its name in one step, then deleted at leisure
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def write_model(key: BuildKey, path: Path) -> None:
+    """Write tokenizer, processor, config and weights into ``path``, with a progress bar."""
+    from tqdm import tqdm
+
+    start = time.perf_counter()
+    recipe = load_recipe(key.arch, key.size)
+    with tqdm(STAGES, desc=f"building {key.arch}/{key.size}", file=sys.stderr, leave=False) as bar:
+        bar.set_postfix_str("tokenizer")
+        tokenizer = _build_tokenizer(recipe)
+        bar.update(1)
+        bar.set_postfix_str("processor")
+        processor = recipe.make_processor(tokenizer)
+        bar.update(1)
+        bar.set_postfix_str("weights")
+        tensors = _make_weights(recipe, key)
+        bar.update(1)
+        bar.set_postfix_str("save")
+        info = _save(recipe, processor, tensors, path)
+        bar.update(1)
+    info["build_seconds"] = round(time.perf_counter() - start, 3)
+    _write_json(path / MARKER, {"key": asdict(key), **info})
+
+
+def load_recipe(arch: str, size: str) -> Recipe:
+    # imported here: the arch modules import mlx, which a cache hit must not pay for
+    if arch == "gemma4":
+        from . import gemma4 as module
+    else:
+        from . import gemma3 as module
+    return module.recipe(size)
+
+
+def _build_tokenizer(recipe: Recipe) -> Any:
+    from .tokenizer import build_tokenizer
+
+    return build_tokenizer(recipe.tokens)
+
+
+def _make_weights(recipe: Recipe, key: BuildKey) -> dict[str, Any]:
+    from .weights import instantiate, silence_tokens, weight_tensors
+
+    model = instantiate(recipe.config, key.seed)
+    recipe.fix_init(model)
+    if key.ignore_eos:
+        silence_tokens(model, range(len(recipe.tokens.special_tokens)))
+    return weight_tensors(model, recipe.dims.dtype, skip=recipe.skip_weights)
+
+
+def _save(recipe: Recipe, processor: Any, tensors: dict[str, Any], path: Path) -> dict[str, Any]:
+    from .weights import count_params, save_weights
+
+    processor.save_pretrained(str(path))
+    _write_json(path / "config.json", recipe.config)
+    generation = {"bos_token_id": recipe.config["bos_token_id"], "eos_token_id": recipe.eos_ids}
+    _write_json(path / "generation_config.json", generation)
+    save_weights(tensors, path / "model.safetensors")
+    return {"parameters": count_params(tensors), "dtype": recipe.dims.dtype}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,194 @@
+"""[any] Gemma 4 recipe: tokens, config.json, mlx-vlm's Gemma4Processor, and repairs to the init.
+
+Token names follow the real Gemma 4 tokenizer (boi ``<|image>``, image ``<|image|>``, eoi
+``<image|>``, tool tokens ``<|tool>``/``<tool|>``, ``<|tool_call>``/``<tool_call|>``,
+``<|tool_response>``/``<tool_response|>`` and the string escape ``<|"|>``); only the ids differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .recipe import Dims, Recipe
+from .templates import GEMMA4_CHAT_TEMPLATE
+from .tokenizer import TokenizerSpec
+from .weights import POST_NORMS, RESIDUAL_GAIN, set_norm_weights
+
+SPECIAL_TOKENS = (
+    "<pad>", "<eos>", "<bos>", "<unk>", "<mask>",
+    "<|turn>", "<turn|>",
+    "<|image|>", "<|image>", "<image|>",
+    "<|audio|>", "<|audio>", "<audio|>", "<|video|>",
+    "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>",
+    '<|"|>', "<|channel>", "<channel|>", "<|think|>",
+)  # fmt: skip
+
+# Attribute names the real tokenizer_config.json uses; Gemma4Processor reads image/boi/eoi ones.
+NAMED_TOKENS = {
+    "image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+    "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>",
+    "video_token": "<|video|>",
+    "sot_token": "<|turn>", "eot_token": "<turn|>",
+    "std_token": "<|tool>", "etd_token": "<tool|>",
+    "stc_token": "<|tool_call>", "etc_token": "<tool_call|>",
+    "str_token": "<|tool_response>", "etr_token": "<tool_response|>",
+    "escape_token": '<|"|>', "soc_token": "<|channel>", "eoc_token": "<channel|>",
+    "think_token": "<|think|>",
+}  # fmt: skip
+
+ROLES = {
+    "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+    "unk_token": "<unk>", "mask_token": "<mask>",
+}  # fmt: skip
+
+# Generation ends at <eos>, at the end of a turn, and where the model hands over to a tool.
+EOS_TOKENS = ("<eos>", "<turn|>", "<|tool_response>")
+
+POOLING = 2  # real Gemma 4 pools 3x3 patches; 2x2 keeps the test images small
+VIDEO_SOFT_TOKENS = 70  # Gemma4VideoProcessor accepts only 70/140/280/560/1120
+
+# micro: float32, < 1 MB, for fast tests. small: bfloat16 like real checkpoints, and on the
+# stock mlx-cpu wheel bf16 matmuls beat its reference float32 BLAS (see shared/FACTS.md).
+DIMS = {
+    "micro": Dims(
+        vocab=768, hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=128,
+        vision_hidden=32, vision_layers=1, vision_heads=2, vision_intermediate=64,
+        patch=8, image_size=64, image_tokens=16, dtype="float32",
+    ),
+    "small": Dims(
+        vocab=4096, hidden=256, layers=6, heads=4, kv_heads=2, head_dim=64, intermediate=1024,
+        vision_hidden=128, vision_layers=2, vision_heads=4, vision_intermediate=512,
+        patch=16, image_size=224, image_tokens=49, dtype="bfloat16",
+    ),
+}  # fmt: skip
+PER_LAYER_INPUT = {"micro": 8, "small": 32}  # Gemma 4 E2B/E4B's per-layer token embeddings
+
+
+def recipe(size: str) -> Recipe:
+    dims = DIMS[size]
+    tokens = TokenizerSpec(
+        vocab_size=dims.vocab,
+        special_tokens=SPECIAL_TOKENS,
+        roles=ROLES,
+        named=NAMED_TOKENS,
+        chat_template=GEMMA4_CHAT_TEMPLATE,
+    )
+    return Recipe(
+        arch="gemma4",
+        dims=dims,
+        tokens=tokens,
+        config=model_config(dims, tokens, PER_LAYER_INPUT[size]),
+        make_processor=lambda tokenizer: make_processor(tokenizer, dims),
+        fix_init=fix_init,
+    )
+
+
+def text_config(dims: Dims, per_layer_input: int) -> dict[str, Any]:
+    layer_types = ["sliding_attention"] * dims.layers
+    layer_types[-1] = "full_attention"  # like Gemma 4: sliding layers, then a global one
+    if dims.layers > 3:
+        layer_types[dims.layers // 2 - 1] = "full_attention"
+    return {
+        "model_type": "gemma4_text",
+        "hidden_size": dims.hidden,
+        "num_hidden_layers": dims.layers,
+        "intermediate_size": dims.intermediate,
+        "num_attention_heads": dims.heads,
+        "num_key_value_heads": dims.kv_heads,
+        "head_dim": dims.head_dim,
+        "global_head_dim": dims.head_dim,
+        "vocab_size": dims.vocab,
+        "vocab_size_per_layer_input": dims.vocab,
+        "hidden_size_per_layer_input": per_layer_input,
+        "num_kv_shared_layers": 0,
+        "sliding_window": 512,
+        "layer_types": layer_types,
+        "max_position_embeddings": 32768,
+        "final_logit_softcapping": 30.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    }
+
+
+def vision_config(dims: Dims) -> dict[str, Any]:
+    return {
+        "model_type": "gemma4_vision",
+        "hidden_size": dims.vision_hidden,
+        "intermediate_size": dims.vision_intermediate,
+        "num_hidden_layers": dims.vision_layers,
+        "num_attention_heads": dims.vision_heads,
+        "num_key_value_heads": dims.vision_heads,
+        "head_dim": dims.vision_hidden // dims.vision_heads,
+        "global_head_dim": dims.vision_hidden // dims.vision_heads,
+        "patch_size": dims.patch,
+        "pooling_kernel_size": POOLING,
+        "default_output_length": dims.image_tokens,
+        # one position per patch along the longest side the processor can produce
+        "position_embedding_size": dims.image_tokens * POOLING,
+        "rms_norm_eps": 1e-6,
+    }
+
+
+def model_config(dims: Dims, tokens: TokenizerSpec, per_layer_input: int) -> dict[str, Any]:
+    ids = {name: tokens.id_of(token) for name, token in NAMED_TOKENS.items()}
+    return {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": text_config(dims, per_layer_input),
+        "vision_config": vision_config(dims),
+        # absent, mlx_vlm.load builds a default 12-layer audio tower, then drops it with a warning
+        "audio_config": None,
+        "vocab_size": dims.vocab,
+        "hidden_size": dims.hidden,
+        "image_token_id": ids["image_token"],
+        "boi_token_id": ids["boi_token"],
+        "eoi_token_id": ids["eoi_token"],
+        "audio_token_id": ids["audio_token"],
+        "boa_token_id": ids["boa_token"],
+        "eoa_token_id": ids["eoa_token"],
+        "video_token_id": ids["video_token"],
+        "pad_token_id": tokens.id_of("<pad>"),
+        "bos_token_id": tokens.id_of("<bos>"),
+        "eos_token_id": [tokens.id_of(t) for t in EOS_TOKENS],
+        "vision_soft_tokens_per_image": dims.image_tokens,
+        "tie_word_embeddings": True,
+        "torch_dtype": dims.dtype,
+    }
+
+
+def make_processor(tokenizer: Any, dims: Dims) -> Any:
+    from mlx_vlm.models.gemma4.processing_gemma4 import (
+        Gemma4ImageProcessor,
+        Gemma4Processor,
+        Gemma4VideoProcessor,
+    )
+
+    image_processor = Gemma4ImageProcessor(
+        size={"height": dims.image_size, "width": dims.image_size},
+        patch_size=dims.patch,
+        max_soft_tokens=dims.image_tokens,
+        pooling_kernel_size=POOLING,
+    )
+    video_processor = Gemma4VideoProcessor(
+        patch_size=dims.patch, max_soft_tokens=VIDEO_SOFT_TOKENS, pooling_kernel_size=POOLING
+    )
+    return Gemma4Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=tokenizer.chat_template,
+        image_seq_length=dims.image_tokens,
+    )
+
+
+def fix_init(model: nn.Module) -> None:
+    # Gemma's branches end in a post-norm, so scaling o_proj/down_proj would be renormalized
+    # away: the gain goes on the post-norm weights (mlx RMSNorm multiplies by weight directly).
+    set_norm_weights(model, POST_NORMS, RESIDUAL_GAIN)
+    # mlx-vlm starts the patch position table at ones: every patch would get the same position.
+    embedder = model.vision_tower.patch_embedder
+    table = embedder.position_embedding_table
+    embedder.position_embedding_table = 0.3 * mx.random.normal(table.shape, dtype=table.dtype)

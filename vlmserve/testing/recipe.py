@@ -1,0 +1,47 @@
+"""[any] What one architecture at one size needs: dimensions, tokens, config, processor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .tokenizer import TokenizerSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Dims:
+    """Model dimensions for one size; the vision side is sized for one square image."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vision_hidden: int
+    vision_layers: int
+    vision_heads: int
+    vision_intermediate: int
+    patch: int
+    image_size: int  # side in px of a square image after the processor's resize
+    image_tokens: int  # soft tokens one square image becomes
+    dtype: str  # "float32" or "bfloat16", as saved on disk
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """Everything build.py needs for one (arch, size); the callables run only when building."""
+
+    arch: str
+    dims: Dims
+    tokens: TokenizerSpec
+    config: dict[str, Any]  # config.json: exactly what mlx_vlm.load reads
+    make_processor: Callable[[Any], Any]  # tokenizer -> processor with save_pretrained
+    fix_init: Callable[[Any], None]  # arch-specific repairs of the random init (an nn.Module)
+    skip_weights: tuple[str, ...] = ()  # parameters the loader re-creates, not worth storing
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return list(self.config["eos_token_id"])
