@@ -78,3 +78,35 @@ def scene(kind: str, color: tuple[int, int, int], size: int = 96) -> Image.Image
     else:
         draw.polygon([(size // 2, size // 6), (size // 6, 5 * size // 6), (5 * size // 6, 5 * size // 6)], fill=color)
     return image
+
+
+@pytest.fixture(scope="session")
+def media_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("media")
+    scene("circle", (220, 30, 30)).save(directory / "red.png")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def server(gemma4_micro, media_dir, tmp_path_factory):
+    """One real ``vlmserve serve`` for the API tests that do not need their own."""
+    from server_utils import start_server
+
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    args = ["--model", str(gemma4_micro), "--allowed-media-dir", str(media_dir), "--max-model-len", "400",
+            "--max-request-mb", "2"]
+    proc = start_server(args, log)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def model_name(gemma4_micro) -> str:
+    return gemma4_micro.name  # a directory answers to its base name too

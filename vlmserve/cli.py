@@ -36,6 +36,22 @@ def _parser() -> argparse.ArgumentParser:
     cap.add_argument("--seed", type=int, default=None)
     cap.set_defaults(func=_caption_command)
 
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible API")
+    srv.add_argument("--model", action="append", default=[], help="local directory or Hub id; repeat to serve several")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    srv.add_argument("--max-batch-size", type=int, default=8)
+    srv.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond the batch before 429")
+    srv.add_argument("--allowed-media-dir", action="append", type=Path, default=[], help="local images may come from here")
+    srv.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs")
+    srv.add_argument("--tool-parser", default=None, help="gemma4 or hermes (default: from the chat template)")
+    srv.add_argument("--no-prefix-cache", action="store_true")
+    srv.add_argument("--default-max-tokens", type=int, default=512)
+    srv.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    srv.add_argument("--max-request-mb", type=float, default=64.0, help="larger request bodies get 413")
+    srv.set_defaults(func=_serve_command)
+
     build = sub.add_parser("build-model", help="build a small offline model (random weights) in HF layout")
     build.add_argument("--arch", default="gemma4")
     build.add_argument("--size", default="micro")
@@ -45,6 +61,24 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--force", action="store_true")
     build.set_defaults(func=_build_command)
     return parser
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    from vlmserve.server import ServeConfig, serve
+
+    if args.max_batch_size < 1 or args.max_queue < 0:
+        return _fail("--max-batch-size must be >= 1 and --max-queue >= 0")
+    if args.tool_parser is not None and args.tool_parser not in ("gemma4", "hermes", "qwen"):
+        return _fail("--tool-parser must be gemma4, hermes or qwen")
+    for directory in args.allowed_media_dir:
+        if not directory.is_dir():
+            return _fail(f"--allowed-media-dir {directory}: not a directory")
+    config = ServeConfig(
+        tuple(args.model), args.host, args.port, args.api_key, args.max_batch_size, args.max_queue,
+        tuple(args.allowed_media_dir), args.allow_remote_images, args.tool_parser, not args.no_prefix_cache,
+        args.default_max_tokens, args.max_model_len, int(args.max_request_mb * 1024 * 1024), args.log_level,
+    )
+    return serve(config)
 
 
 def _build_command(args: argparse.Namespace) -> int:

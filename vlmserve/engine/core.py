@@ -26,6 +26,7 @@ class EngineConfig:
     max_batch_size: int = 8
     max_queue: int = 64  # requests waiting beyond the batch before submissions fail fast
     prefill_chunk: int = 512
+    max_model_len: int | None = None  # caps the model's own context (prompt + output)
     prefix_cache: bool = True
     prefix_cache_entries: int = 32
     prefix_cache_bytes: int = 1 << 30

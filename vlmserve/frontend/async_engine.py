@@ -78,7 +78,10 @@ class AsyncEngine:
     def _load(self) -> LoadedModel:
         self.worker.assert_on_worker()
         configure_process()
-        return load_model(self.model_spec, self.name)
+        loaded = load_model(self.model_spec, self.name)
+        if self.config.max_model_len:
+            loaded.max_context = min(loaded.max_context, self.config.max_model_len)
+        return loaded
 
     async def _warmup(self) -> None:
         image = Image.new("RGB", (64, 64), (128, 64, 32))

@@ -1,0 +1,75 @@
+"""A real ``vlmserve serve`` process on a free localhost port, for the API tests."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from PIL import Image
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def start_server(args: list[str], log_path: Path, wait_ready: bool = True, timeout: float = 120) -> ServerProcess:
+    port = free_port()
+    log = open(log_path, "w")
+    cmd = [sys.executable, "-m", "vlmserve.cli", "--log-level", "info", "serve", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = ServerProcess(proc, port, log_path)
+    if wait_ready:
+        wait_for(server, "/ready", timeout)
+    return server
+
+
+def wait_for(server: ServerProcess, path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log}")
+        try:
+            if httpx.get(server.url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    server.stop(signal.SIGKILL)
+    raise TimeoutError(f"server not ready in {timeout}s:\n{server.log}")
+
+
+def image_data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()

@@ -1,0 +1,1 @@
+"""[loop] The OpenAI-compatible HTTP API: routes, schemas, SSE, errors. No MLX here."""

@@ -1,0 +1,143 @@
+"""[loop] The FastAPI app: routes, auth, body limits, and the engines' life cycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from vlmserve.api.chat import create_chat_completion
+from vlmserve.api.errors import APIError, install_error_handlers
+from vlmserve.api.schemas import ChatCompletionRequest
+from vlmserve.api.state import ServerState
+
+log = logging.getLogger(__name__)
+
+
+def create_app(state: ServerState, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """The app starts every engine in the background (``/ready`` says when) and stops them on exit."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        starting = asyncio.create_task(_start_engines(state, on_fatal))
+        try:
+            yield
+        finally:
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            await stop_engines(state, "server is shutting down")
+
+    app = FastAPI(title="vlmserve", lifespan=lifespan)
+    app.state.vlmserve = state
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes)
+    _routes(app, state)
+    return app
+
+
+async def _start_engines(state: ServerState, on_fatal: Callable[[str], None] | None) -> None:
+    for served in state.models:
+        try:
+            await served.engine.start()
+        except Exception as exc:  # noqa: BLE001 - reported once, clearly, then the server exits
+            message = f"model {served.name!r} failed to load: {exc}"
+            log.error(message)
+            if on_fatal is not None:
+                on_fatal(message)
+            return
+        log.info("model %s ready (tool parser: %s)", served.name, served.tool_parser)
+
+
+async def stop_engines(state: ServerState, message: str) -> None:
+    """Every waiting request gets an error; every worker joins."""
+    await asyncio.gather(*(m.engine.shutdown(message) for m in state.models), return_exceptions=True)
+
+
+def _routes(app: FastAPI, state: ServerState) -> None:
+    auth = Depends(_auth(state))
+    state.metrics.watch_engines(lambda: [(m.name, m.engine) for m in state.models])
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        models = {m.name: _engine_status(m.engine) for m in state.models}
+        return JSONResponse({"ready": state.ready, "models": models}, status_code=200 if state.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[auth])
+    async def models() -> dict[str, Any]:
+        data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "vlmserve"} for m in state.models]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions", dependencies=[auth])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await create_chat_completion(body, request, state)
+
+
+def _engine_status(engine: Any) -> str:
+    if engine.ready:
+        return "ready"
+    return f"failed: {engine.dead_reason}" if engine.dead_reason else "loading"
+
+
+def _auth(state: ServerState) -> Callable[[Request], None]:
+    def check(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not secrets.compare_digest(token.encode(), state.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                           "invalid_request_error", None, "invalid_api_key")
+
+    return check
+
+
+class BodyLimit:
+    """413 for bodies over the limit, by Content-Length or by counting a chunked upload."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._reject(send)
+        received, rejected = 0, False
+
+        async def counting_receive() -> dict[str, Any]:
+            nonlocal received, rejected
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes and not rejected:
+                rejected = True
+                await self._reject(send)
+                return {"type": "http.disconnect"}  # the app stops reading; what it sends is dropped
+            return message
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            if not rejected:
+                await send(message)
+
+        await self.app(scope, counting_receive, guarded_send)
+
+    def _error(self) -> APIError:
+        return APIError(413, f"request body is over the {self.max_bytes}-byte limit", "invalid_request_error",
+                        None, "request_too_large")
+
+    async def _reject(self, send: Any) -> None:
+        await self._error().response()({"type": "http"}, None, send)

@@ -1,0 +1,197 @@
+"""[loop] POST /v1/chat/completions: one request from body to response, streaming or not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from vlmserve.api.errors import APIError, bad_request
+from vlmserve.api.messages import ChatInput, to_chat_input, to_sampling_params
+from vlmserve.api.openai_format import ChoiceBuilder
+from vlmserve.api.schemas import ChatCompletionRequest
+from vlmserve.api.state import ServedModel, ServerState
+from vlmserve.engine.params import PromptInputs
+from vlmserve.frontend.async_engine import EngineNotReadyError, EngineOverloadedError, PromptTooLongError
+from vlmserve.frontend.output import RequestOutput
+from vlmserve.preprocess.images import ImageError
+from vlmserve.preprocess.media import MediaPolicy, load_image_source
+from vlmserve.preprocess.prompt import PromptError, build_prompt
+
+log = logging.getLogger("vlmserve.requests")
+
+
+def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str):  # noqa: ANN201 - PromptFactory
+    """Phase 1 for the pool: fetch and decode the images, then template and tokenize."""
+
+    def make(processor: Any) -> PromptInputs:
+        images = [load_image_source(url, media, f"image {i + 1}") for i, url in enumerate(chat.image_urls)]
+        return build_prompt(processor, chat.messages, images, chat.tools, request_id)
+
+    return make
+
+
+@dataclass(slots=True)
+class _Call:
+    """One chat request in flight: what the response needs, and its timing for logs and metrics."""
+
+    state: ServerState
+    served: ServedModel
+    req: ChatCompletionRequest
+    builder: ChoiceBuilder
+    start: float
+    ttft: float | None = None
+    finish: str = "error"
+
+    def observe(self, out: RequestOutput) -> None:
+        if self.ttft is None and out.token_ids:
+            self.ttft = time.perf_counter() - self.start
+
+    def done(self, status: str) -> None:
+        latency = time.perf_counter() - self.start
+        usage = self.builder.usage
+        self.state.metrics.finished(self.served.name, status, self.ttft, latency, usage)
+        ttft = f"{self.ttft:.3f}s" if self.ttft is not None else "-"
+        log.info("%s model=%s prompt=%s completion=%s ttft=%s total=%.3fs finish=%s", self.builder.id,
+                 self.served.name, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), ttft, latency, status)
+
+
+async def create_chat_completion(req: ChatCompletionRequest, http: Request, state: ServerState) -> Any:
+    served = state.model(req.model)
+    chat = to_chat_input(req, state.media.max_images)
+    params = to_sampling_params(req, state.default_max_tokens)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    engine = served.engine
+    call = _Call(state, served, req, ChoiceBuilder(request_id, served.name, engine.loaded.tokenizer if engine.loaded else None,
+                                                       served.tool_parser, chat.tools), time.perf_counter())
+    stream = engine.generate(request_id, prompt_factory(chat, state.media, request_id), params)
+    first = await _until_done_or_disconnect(http, _first_output(stream, call), stream)
+    if first is _GONE:
+        return JSONResponse({}, status_code=499)  # nobody is listening; the request is aborted
+    if req.stream:
+        return StreamingResponse(_sse(call, first, stream), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    response = await _until_done_or_disconnect(http, _complete(call, first, stream), stream)
+    return JSONResponse({}, status_code=499) if response is _GONE else response
+
+
+async def _first_output(stream: AsyncIterator[RequestOutput], call: _Call) -> RequestOutput:
+    """Wait for the first output so that anything before a token can still be a proper status code."""
+    try:
+        first = await stream.__anext__()
+    except (ImageError, PromptError) as exc:
+        raise _failed(call, bad_request(str(exc), "messages", "invalid_image" if isinstance(exc, ImageError) else None))
+    except PromptTooLongError as exc:
+        raise _failed(call, bad_request(str(exc), "messages", "context_length_exceeded"))
+    except EngineOverloadedError as exc:
+        raise _failed(call, APIError(429, str(exc), "rate_limit_error", None, "overloaded"))
+    except EngineNotReadyError as exc:
+        raise _failed(call, APIError(503, str(exc), "service_unavailable", None, "not_ready"))
+    if first.finish_reason == "error":
+        raise _failed(call, _engine_fault(call.builder.id, first.error))
+    call.observe(first)
+    return first
+
+
+def _failed(call: _Call, error: APIError) -> APIError:
+    call.done(f"error_{error.status}")
+    return error
+
+
+def _engine_fault(request_id: str, message: str | None) -> APIError:
+    return APIError(500, f"request {request_id} failed in the engine: {message}", "server_error", None, "engine_error")
+
+
+async def _complete(call: _Call, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> JSONResponse:
+    try:
+        out = first
+        call.builder.step(out)
+        while not out.finished:
+            out = await stream.__anext__()
+            call.observe(out)
+            call.builder.step(out)
+        if out.finish_reason == "error":
+            raise _failed(call, _engine_fault(call.builder.id, out.error))
+        call.finish = call.builder.finish_reason(out.finish_reason)
+        call.done(call.finish)
+        return JSONResponse(call.builder.response(call.finish, bool(call.req.logprobs)))
+    finally:
+        await stream.aclose()
+
+
+_GONE = object()  # the client disconnected
+
+
+async def _until_done_or_disconnect(http: Request, work, stream: AsyncIterator[RequestOutput]) -> Any:  # noqa: ANN001
+    """Await ``work`` unless the client goes away first: then cancel it and abort the request."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await stream.aclose()  # aborts on the worker at its next step
+        return _GONE
+    finally:
+        watcher.cancel()
+
+
+async def _disconnected(http: Request) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _sse(call: _Call, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    b = call.builder
+    status = "disconnected"
+    try:
+        yield _event(b.chunk({"role": "assistant", "content": ""}))
+        out: RequestOutput | None = first
+        while out is not None:
+            if out.finish_reason == "error":
+                status = "error"
+                yield _event(_engine_fault(b.id, out.error).body())
+                break
+            for chunk in _chunks(b, out, call):
+                yield _event(chunk)
+            if out.finished:
+                status = call.finish
+                break
+            out = await stream.__anext__()
+            call.observe(out)
+        yield "data: [DONE]\n\n"
+    finally:
+        call.done(status)
+        await stream.aclose()
+
+
+def _chunks(b: ChoiceBuilder, out: RequestOutput, call: _Call) -> list[dict[str, Any]]:
+    delta = b.step(out)
+    chunks = []
+    if delta:
+        body: dict[str, Any] = {}
+        if delta.content:
+            body["content"] = delta.content
+        if delta.tool_calls:
+            body["tool_calls"] = delta.tool_calls
+        chunks.append(b.chunk(body, logprobs=delta.logprobs or None))
+    if out.finished:
+        call.finish = b.finish_reason(out.finish_reason)
+        chunks.append(b.chunk({}, call.finish))
+        if call.req.stream_options and call.req.stream_options.include_usage:
+            chunks.append(b.usage_chunk())
+    return chunks
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"

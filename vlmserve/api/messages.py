@@ -1,0 +1,135 @@
+"""[loop] An OpenAI chat request -> template messages, image sources, tools and sampling params."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from vlmserve.api.errors import bad_request
+from vlmserve.api.schemas import ChatCompletionRequest, ImagePart, Message, NamedToolChoice
+from vlmserve.engine.params import SamplingParams
+
+JSON_INSTRUCTION = "Respond only with a single valid JSON object."
+REQUIRED_TOOL_INSTRUCTION = "You must answer by calling one of the available tools."
+
+
+@dataclass(slots=True, frozen=True)
+class ChatInput:
+    """What phase 1 needs: messages for the chat template (images as ``{"type": "image"}``)."""
+
+    messages: list[dict[str, Any]]
+    image_urls: list[str]
+    tools: list[dict[str, Any]] | None
+
+
+def to_chat_input(req: ChatCompletionRequest, max_images: int) -> ChatInput:
+    if req.n not in (None, 1):
+        raise bad_request("n: only n=1 is supported", "n", "unsupported_value")
+    urls: list[str] = []
+    names = _tool_call_names(req.messages)
+    messages = [_message(m, i, urls, names) for i, m in enumerate(req.messages)]
+    if len(urls) > max_images:
+        raise bad_request(f"messages: {len(urls)} images is over the limit of {max_images} per request", "messages", "too_many_images")
+    tools = _tools_for_template(req)
+    instructions = _instructions(req)
+    if instructions:
+        messages = _with_system(messages, instructions)
+    return ChatInput(messages, urls, tools)
+
+
+def _message(m: Message, index: int, urls: list[str], names: dict[str, str]) -> dict[str, Any]:
+    role = "system" if m.role == "developer" else m.role
+    out: dict[str, Any] = {"role": role, "content": _content(m, index, urls)}
+    if m.role == "assistant" and m.tool_calls:
+        out["tool_calls"] = [_tool_call(tc, index, j) for j, tc in enumerate(m.tool_calls)]
+    if m.role == "tool":
+        out["tool_call_id"] = m.tool_call_id
+        out["name"] = m.name or names.get(m.tool_call_id or "", "")
+    return out
+
+
+def _content(m: Message, index: int, urls: list[str]) -> str | list[dict[str, Any]]:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    parts: list[dict[str, Any]] = []
+    for part in m.content:
+        if isinstance(part, ImagePart):
+            if m.role != "user":
+                raise bad_request(f"messages.{index}: images are only allowed in user messages", f"messages.{index}.content")
+            urls.append(part.image_url.url)
+            parts.append({"type": "image"})
+        else:
+            parts.append({"type": "text", "text": part.text})
+    if m.role != "user":  # templates expect plain text outside user turns
+        return "".join(p.get("text", "") for p in parts)
+    return parts
+
+
+def _tool_call(tc: Any, index: int, j: int) -> dict[str, Any]:
+    try:
+        arguments = json.loads(tc.function.arguments or "{}")
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"messages.{index}.tool_calls.{j}.function.arguments is not valid JSON: {exc.msg}",
+                          f"messages.{index}.tool_calls.{j}.function.arguments") from None
+    return {"id": tc.id, "type": "function", "function": {"name": tc.function.name, "arguments": arguments}}
+
+
+def _tool_call_names(messages: list[Message]) -> dict[str, str]:
+    return {tc.id: tc.function.name for m in messages for tc in (m.tool_calls or []) if tc.id}
+
+
+def _tools_for_template(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    if not req.tools or req.tool_choice == "none":
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    if isinstance(req.tool_choice, NamedToolChoice):
+        tools = [t for t in tools if t["function"]["name"] == req.tool_choice.function.name]
+        if not tools:
+            raise bad_request(f"tool_choice names {req.tool_choice.function.name!r}, which is not in tools", "tool_choice")
+    return tools
+
+
+def _instructions(req: ChatCompletionRequest) -> str:
+    lines = []
+    if req.response_format is not None and req.response_format.type in ("json_object", "json_schema"):
+        lines.append(JSON_INSTRUCTION)
+        if req.response_format.json_schema:
+            lines.append("The JSON must match this schema: " + json.dumps(req.response_format.json_schema))
+    if req.tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)):
+        lines.append(REQUIRED_TOOL_INSTRUCTION)
+    return " ".join(lines)
+
+
+def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    if messages and messages[0]["role"] == "system" and isinstance(messages[0]["content"], str):
+        first = dict(messages[0], content=f"{messages[0]['content']}\n\n{text}".strip())
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def to_sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if len(stop) > 8:
+        raise bad_request("stop: at most 8 stop sequences", "stop")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+    try:
+        return SamplingParams(
+            max_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            seed=req.seed,
+            stop=stop,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=bool(req.logprobs),
+            top_logprobs=req.top_logprobs or 0,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None

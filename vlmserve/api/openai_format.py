@@ -1,0 +1,98 @@
+"""[loop] One request's outputs in OpenAI's shapes: chunks for streams, a message for the rest."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmserve.frontend.output import RequestOutput
+from vlmserve.tools import ContentDelta, ToolCallDelta, ToolCallStreamParser
+
+
+@dataclass(slots=True)
+class Delta:
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.tool_calls or self.logprobs)
+
+
+class ChoiceBuilder:
+    """Turns each step's output into content, tool-call deltas and logprobs, exactly once."""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Any, parser: str | None,
+                 tools: list[dict[str, Any]] | None) -> None:
+        self.id, self.model, self.created = request_id, model, int(time.time())
+        self._tokenizer = tokenizer
+        self._parser = ToolCallStreamParser(parser, tools) if parser and tools else None
+        self.content = ""
+        self.tool_calls: list[dict[str, Any]] = []
+        self.logprobs: list[dict[str, Any]] = []
+        self.usage: dict[str, Any] = {}
+
+    def step(self, out: RequestOutput) -> Delta:
+        delta = Delta(logprobs=[self._logprob(lp) for lp in out.logprobs if lp is not None])
+        events = self._parser.feed(out.text) if self._parser else [ContentDelta(out.text)]
+        if out.finished and self._parser:
+            events += self._parser.finish()
+        for event in events:
+            if isinstance(event, ContentDelta):
+                delta.content += event.text
+            elif isinstance(event, ToolCallDelta):
+                delta.tool_calls.append(event.to_openai())
+        self.content += delta.content
+        self.logprobs += delta.logprobs
+        self.usage = _usage(out)
+        return delta
+
+    def finish_reason(self, engine_reason: str | None) -> str:
+        if self._parser is not None and self._parser.has_tool_calls:
+            return "tool_calls"
+        return "length" if engine_reason == "length" else "stop"
+
+    # -- shapes ------------------------------------------------------------------------
+
+    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
+              logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+                  "finish_reason": finish_reason}
+        return self._envelope("chat.completion.chunk", choices=[choice])
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return self._envelope("chat.completion.chunk", choices=[], usage=self.usage)
+
+    def response(self, finish_reason: str, want_logprobs: bool) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        calls = self._parser.calls if self._parser else []
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+        else:
+            message["content"] = self.content
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason,
+                  "logprobs": {"content": self.logprobs} if want_logprobs else None}
+        return self._envelope("chat.completion", choices=[choice], usage=self.usage)
+
+    def _envelope(self, obj: str, **fields: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None, **fields}
+
+    def _logprob(self, lp: Any) -> dict[str, Any]:
+        entry = self._token_entry(lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [self._token_entry(t, p) for t, p in lp.top]
+        return entry
+
+    def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self._tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": out.num_completion_tokens,
+        "total_tokens": out.num_prompt_tokens + out.num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }

@@ -1,0 +1,57 @@
+"""[loop] What the app serves: the engines by name, media policy, auth, tool parsers, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vlmserve.api.errors import APIError
+from vlmserve.api.metrics import ServerMetrics
+from vlmserve.frontend.async_engine import AsyncEngine
+from vlmserve.preprocess.media import MediaPolicy
+from vlmserve.tools import select_parser
+
+
+@dataclass(slots=True)
+class ServedModel:
+    name: str
+    engine: AsyncEngine
+    aliases: tuple[str, ...] = ()
+    tool_parser_override: str | None = None
+
+    @property
+    def tool_parser(self) -> str | None:
+        if self.tool_parser_override:
+            return self.tool_parser_override
+        loaded = self.engine.loaded
+        if loaded is None:
+            return None
+        template = getattr(loaded.processor, "chat_template", None) or getattr(loaded.tokenizer, "chat_template", None)
+        return select_parser(loaded.model_type, template if isinstance(template, str) else None)
+
+
+@dataclass(slots=True)
+class ServerState:
+    models: list[ServedModel]
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+    api_key: str | None = None
+    default_max_tokens: int = 512
+    max_body_bytes: int = 64 * 1024 * 1024
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+
+    def model(self, name: str) -> ServedModel:
+        for served in self.models:
+            if name == served.name or name in served.aliases:
+                return served
+        known = ", ".join(m.name for m in self.models)
+        raise APIError(404, f"model {name!r} does not exist; this server has: {known}", "not_found_error", "model", "model_not_found")
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.models) and all(m.engine.ready for m in self.models)
+
+
+def aliases_for(spec: str) -> tuple[str, ...]:
+    """A local directory also answers to its base name (``/models/foo`` -> ``foo``)."""
+    name = Path(spec).name
+    return (name,) if name and name != spec else ()

@@ -1,0 +1,89 @@
+"""[pool] Image sources from a request: data URLs, allowed local files, and (opt-in) remote URLs."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from PIL import Image
+
+from vlmserve.preprocess.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageError, ImageLimits, decode_image
+
+_DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,(?P<data>.*)$", re.S)
+
+
+@dataclass(slots=True, frozen=True)
+class MediaPolicy:
+    """Where images may come from, and how big they may be."""
+
+    allowed_dirs: tuple[Path, ...] = field(default_factory=tuple)
+    allow_remote: bool = False
+    max_bytes: int = DEFAULT_MAX_BYTES
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_images: int = 8
+    remote_timeout_s: float = 10.0
+
+    @property
+    def limits(self) -> ImageLimits:
+        return ImageLimits(self.max_pixels, self.max_bytes)
+
+
+def load_image_source(url: str, policy: MediaPolicy, label: str = "image") -> Image.Image:
+    """Fetch and decode one ``image_url``; every refusal is an ``ImageError`` naming the image."""
+    scheme = urlparse(url).scheme.lower() if "://" in url or url.startswith("data:") else ""
+    if url.startswith("data:"):
+        return decode_image(_data_url_bytes(url, label), policy.limits, label)
+    if scheme in ("http", "https"):
+        return decode_image(_fetch_remote(url, policy, label), policy.limits, label)
+    if scheme in ("", "file"):
+        path = Path(unquote(urlparse(url).path) if scheme == "file" else url)
+        return decode_image(_read_allowed_file(path, policy, label), policy.limits, label)
+    raise ImageError(f"{label}: unsupported URL scheme {scheme!r} (use data:, file: or http(s):)")
+
+
+def _data_url_bytes(url: str, label: str) -> bytes:
+    match = _DATA_URL.match(url)
+    if match is None or not match["b64"]:
+        raise ImageError(f"{label}: malformed data URL (expected data:image/...;base64,...)")
+    if match["mime"] and not match["mime"].startswith("image/"):
+        raise ImageError(f"{label}: data URL has media type {match['mime']!r}, not an image")
+    try:
+        return base64.b64decode(re.sub(r"\s+", "", match["data"]), validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError(f"{label}: data URL is not valid base64") from None
+
+
+def _read_allowed_file(path: Path, policy: MediaPolicy, label: str) -> bytes:
+    if not policy.allowed_dirs:
+        raise ImageError(f"{label}: local files are disabled (start the server with --allowed-media-dir)")
+    resolved = path.expanduser().resolve()
+    if not any(resolved.is_relative_to(d.resolve()) for d in policy.allowed_dirs):
+        raise ImageError(f"{label}: {path} is outside the allowed media directories")
+    if not resolved.is_file():
+        raise ImageError(f"{label}: {path}: no such file")
+    size = resolved.stat().st_size
+    if size > policy.max_bytes:
+        raise ImageError(f"{label}: {size} bytes is over the {policy.max_bytes}-byte limit")
+    return resolved.read_bytes()
+
+
+def _fetch_remote(url: str, policy: MediaPolicy, label: str) -> bytes:
+    if not policy.allow_remote:
+        raise ImageError(f"{label}: remote image URLs are disabled (start the server with --allow-remote-images)")
+    import httpx
+
+    try:
+        with httpx.stream("GET", url, timeout=policy.remote_timeout_s, follow_redirects=True) as response:
+            response.raise_for_status()
+            data = bytearray()
+            for chunk in response.iter_bytes():
+                data += chunk
+                if len(data) > policy.max_bytes:
+                    raise ImageError(f"{label}: remote image is over the {policy.max_bytes}-byte limit")
+            return bytes(data)
+    except httpx.HTTPError as exc:
+        raise ImageError(f"{label}: could not fetch {url}: {exc}") from None
