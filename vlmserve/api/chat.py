@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -68,6 +69,8 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, stat
     served = state.model(req.model)
     chat = to_chat_input(req, state.media.max_images)
     params = to_sampling_params(req, state.default_max_tokens)
+    if chat.tools and served.tool_parser:
+        params = dataclasses.replace(params, skip_special_tokens=False)  # the parser needs the markers
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     engine = served.engine
     call = _Call(state, served, req, ChoiceBuilder(request_id, served.name, engine.loaded.tokenizer if engine.loaded else None,

@@ -25,6 +25,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    skip_special_tokens: bool = True  # False keeps tool-call markers in the text for the parser
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -142,7 +142,7 @@ class AsyncEngine:
             self._check_alive()
             self.core.post(AddRequest(request_id, prompt, params, self._sink(q)))
             submitted = True
-            output = OutputProcessor(self.loaded.tokenizer, params.stop)
+            output = OutputProcessor(self.loaded.tokenizer, params.stop, params.skip_special_tokens)
             while True:
                 step = await q.get()
                 engine_done = step.finish_reason is not None

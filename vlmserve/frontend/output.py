@@ -36,8 +36,8 @@ class OutputProcessor:
     Text that might be the start of a stop string is held back until it is certain.
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self._stop = tuple(s for s in stop if s)
         self._held = ""
         self.num_completion_tokens = 0
