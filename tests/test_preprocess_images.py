@@ -77,3 +77,26 @@ def test_files_missing_or_not_regular(tmp_path):
     path = tmp_path / "ok.png"
     path.write_bytes(_encode(_two_tone(), "PNG"))
     assert load_image_file(path).size == (40, 20)
+
+
+def test_slow_preprocessing_is_logged_with_id_tokens_and_seconds(caplog):
+    import logging
+    import time
+
+    from vlmserve.preprocess.prompt import build_prompt
+
+    class SlowTokenizer:
+        bos_token = None
+
+        def apply_chat_template(self, messages, **kwargs):
+            time.sleep(1.05)
+            return "hello world"
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [1, 2, 3]}
+
+    with caplog.at_level(logging.WARNING, logger="vlmserve.preprocess.prompt"):
+        prompt = build_prompt(SlowTokenizer(), [{"role": "user", "content": "hi"}], request_id="req-42")
+    assert prompt.input_ids == [1, 2, 3]
+    (record,) = caplog.records
+    assert "req-42" in record.message and "3 tokens" in record.message and " s" in record.message

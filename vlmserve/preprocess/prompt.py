@@ -74,7 +74,11 @@ def build_prompt(
     count = sum(_count_images(m) for m in messages)
     if count != len(images):
         raise PromptError(f"{count} image parts in the messages but {len(images)} images given")
-    prompt = encode(processor, render_chat(processor, messages, tools), images)
+    text = render_chat(processor, messages, tools)
+    try:
+        prompt = encode(processor, text, images)
+    except Exception as exc:  # noqa: BLE001 - e.g. image tokens typed into the text: the input's fault
+        raise PromptError(f"could not process the prompt: {type(exc).__name__}: {exc}") from exc
     elapsed = time.perf_counter() - start
     if elapsed > SLOW_PREPROCESS_S:
         log.warning("slow preprocessing: request %s, %d tokens, %.2f s", request_id, len(prompt), elapsed)

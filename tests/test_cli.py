@@ -1,0 +1,64 @@
+"""``vlmserve caption`` as a user runs it: streamed text, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+from conftest import scene
+from PIL import Image
+
+
+def _caption(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vlmserve.cli", "caption", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    d = tmp_path_factory.mktemp("images")
+    red = scene("circle", (220, 30, 30))
+    red.save(d / "red.png")
+    red.save(d / "red.jpg", quality=90)
+    red.save(d / "red.webp")
+    frames = [scene("square", (30, 60, 220)), scene("triangle", (30, 170, 60))]
+    frames[0].save(d / "anim.gif", save_all=True, append_images=frames[1:])
+    (d / "notes.txt").write_text("not an image")
+    buf = io.BytesIO()
+    red.save(buf, format="PNG")
+    (d / "truncated.png").write_bytes(buf.getvalue()[:100])
+    Image.new("1", (9000, 9000)).save(d / "huge.png")
+    return d
+
+
+@pytest.mark.parametrize("name", ["red.png", "red.jpg", "red.webp", "anim.gif"])
+def test_caption_prints_text(gemma4_micro, images, name):
+    result = _caption(str(images / name), "--model", str(gemma4_micro), "--max-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() and result.stdout.endswith("\n")
+
+
+def test_same_image_same_caption_and_prompt_matters(gemma4_micro, images):
+    a = _caption(str(images / "red.png"), "--model", str(gemma4_micro), "--max-tokens", "8").stdout
+    b = _caption(str(images / "red.png"), "--model", str(gemma4_micro), "--max-tokens", "8").stdout
+    c = _caption(str(images / "anim.gif"), "--model", str(gemma4_micro), "--max-tokens", "8").stdout
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("name, says", [
+    ("missing.png", "no such file"),
+    ("notes.txt", "not an image"),
+    ("truncated.png", "truncated or corrupt"),
+    ("huge.png", "pixel limit"),
+])
+def test_bad_images_exit_2_with_one_line(images, name, says):
+    result = _caption(str(images / name), "--model", "/nonexistent/never/loaded")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and says in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_model_that_cannot_load_exits_2(images, tmp_path):
+    result = _caption(str(images / "red.png"), "--model", str(tmp_path / "no" / "model"))
+    assert result.returncode == 2 and "cannot load model" in result.stderr and "Traceback" not in result.stderr
