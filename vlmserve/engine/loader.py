@@ -91,11 +91,25 @@ def _eos_token_ids(config: Any, processor: Any) -> frozenset[int]:
     tokenizer = getattr(processor, "tokenizer", processor)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
-    for token in ("<end_of_turn>", "<turn|>", "<|im_end|>", "<|eot_id|>", "<|end|>"):
-        token_id = tokenizer.convert_tokens_to_ids(token) if token in tokenizer.get_vocab() else None
-        if token_id is not None:
-            ids.add(token_id)
+    turn_end = _template_end_of_turn(processor, tokenizer)
+    if turn_end is not None:
+        ids.add(turn_end)
     return frozenset(i for i in ids if isinstance(i, int) and i >= 0)
+
+
+def _template_end_of_turn(processor: Any, tokenizer: Any) -> int | None:
+    """The special token the chat template puts right after an assistant message."""
+    marker = "vlmserve-probe"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
+    templater = processor if getattr(processor, "chat_template", None) else tokenizer
+    try:
+        text = templater.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        after = text[text.index(marker) + len(marker):]
+        first = tokenizer(after, add_special_tokens=False)["input_ids"][:1]
+    except Exception:  # noqa: BLE001 - no template, or one that refuses this conversation
+        return None
+    special = set(getattr(tokenizer, "all_special_ids", ())) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    return first[0] if first and first[0] in special else None
 
 
 def _max_context(config: Any) -> int:
