@@ -1,0 +1,161 @@
+"""[main + worker] The raw limit: the model's own batched decode step (and prefill), no server, no scheduler.
+
+    python benchmarks/step_bench.py [--arch gemma4] [--size small] [--quick] [--json PATH]
+
+On one MLXWorkerThread (as the engine runs it): build a batch of B requests with ModelRunner
+(start, prefill_step until done, join_batch), then time N decode steps of runner.decode plus a
+greedy argmax, evaluated every step. The prompts are the load generator's: one image + 12 words.
+The engine's efficiency is a server's tok/s at concurrency B divided by this tok/s at batch B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from loadgen import prompt_text, synthetic_pil_images
+
+BATCHES = (1, 2, 4, 8, 16)
+
+
+def _prompts(processor: Any, count: int, words: int, with_image: bool) -> tuple[list[Any], float]:
+    """PromptInputs built like the server's phase 1; returns them and the mean seconds each took."""
+    from vlmserve.preprocess.prompt import build_prompt
+
+    images = synthetic_pil_images(count, seed=1)
+    prompts, start = [], time.perf_counter()
+    for i in range(count):
+        content = [{"type": "text", "text": prompt_text(words, i)}]
+        if with_image:
+            content.insert(0, {"type": "image"})
+        prompts.append(build_prompt(processor, [{"role": "user", "content": content}], [images[i]] if with_image else []))
+    return prompts, (time.perf_counter() - start) / count
+
+
+def _prefill(runner: Any, seq_id: str, prompt: Any) -> tuple[int, float]:
+    """Prefill one request alone and join the batch; returns its first token and the seconds it took."""
+    import mlx.core as mx
+
+    start = time.perf_counter()
+    seq = runner.start(seq_id, prompt)
+    while (logits := runner.prefill_step(seq)) is None:
+        pass
+    token = mx.argmax(logits, axis=-1)
+    mx.eval(token)
+    elapsed = time.perf_counter() - start
+    runner.join_batch(seq)
+    return int(token.item()), elapsed
+
+
+def _decode_steps(runner: Any, tokens: list[int], steps: int) -> list[float]:
+    import mlx.core as mx
+
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        next_tokens = mx.argmax(runner.decode(tokens), axis=-1)
+        mx.eval(next_tokens)
+        tokens = next_tokens.tolist()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def bench_batch(loaded: Any, prompts: list[Any], batch: int, steps: int, warmup: int) -> dict[str, Any]:
+    """On the worker: prefill ``batch`` requests one by one, then time ``steps`` batched decode steps."""
+    from vlmserve.engine.runner import ModelRunner
+
+    runner = ModelRunner(loaded)
+    tokens, prefill_s = [], []
+    for i in range(batch):
+        token, seconds = _prefill(runner, f"r{i}", prompts[i % len(prompts)])
+        tokens.append(token)
+        prefill_s.append(seconds)
+    _decode_steps(runner, tokens, warmup)
+    times = _decode_steps(runner, tokens, steps)
+    runner.leave_batch(list(runner.batch))
+    ms = statistics.median(times) * 1000
+    return {"ms_per_step": round(ms, 2), "ms_mean": round(statistics.fmean(times) * 1000, 2),
+            "tok_s": round(batch * 1000 / ms, 1), "prefill_ms": [round(s * 1000, 1) for s in prefill_s]}
+
+
+def workload_tok_s(prefill_ms: float, step_ms: float, batch: int, max_tokens: int) -> float:
+    """The raw limit for serve_bench's workload: each request costs its prefill plus its share
+    of ``max_tokens`` batched decode steps (every prefill runs alone, as the engine runs it)."""
+    per_request_ms = prefill_ms + max_tokens * step_ms / batch
+    return round(max_tokens * 1000 / per_request_ms, 1) if per_request_ms else 0.0
+
+
+def run(arch: str, size: str, batches: tuple[int, ...], steps: int, warmup: int, max_tokens: int = 64,
+        model: Path | None = None) -> dict[str, Any]:
+    from vlmserve.engine.loader import load_model
+    from vlmserve.engine.worker import MLXWorkerThread
+    from vlmserve.testing import build_model
+
+    import mlx.core as mx
+
+    path = model or build_model(arch, size, ignore_eos=True)
+    worker = MLXWorkerThread(name="mlx-step-bench")
+    worker.start()
+    try:
+        loaded = worker.call(load_model, str(path))
+        image_prompts, image_pre_s = _prompts(loaded.processor, max(batches), 12, True)
+        long_prompts, _ = _prompts(loaded.processor, 1, 300, False)
+        worker.call(bench_batch, loaded, image_prompts, 1, 4, 2)  # warm-up: first calls compile and allocate
+        out: dict[str, Any] = {
+            "arch": arch, "size": size, "model": str(path), "steps": steps, "mlx": mx.__version__,
+            "cpus": os.cpu_count(), "ld_preload": os.environ.get("LD_PRELOAD", ""),
+            "image_prompt_tokens": len(image_prompts[0]), "long_text_prompt_tokens": len(long_prompts[0]),
+            "preprocess_ms_image_prompt": round(image_pre_s * 1000, 1), "decode": {},
+        }
+        out["prefill_ms_long_text"] = worker.call(bench_batch, loaded, long_prompts, 1, 1, 0)["prefill_ms"][0]
+        for batch in batches:
+            out["decode"][str(batch)] = worker.call(bench_batch, loaded, image_prompts, batch, steps, warmup)
+        prefills = [ms for row in out["decode"].values() for ms in row.pop("prefill_ms")]
+        out["prefill_ms_image_prompt"] = round(statistics.median(prefills), 1)  # one per request prefilled
+        out["workload_max_tokens"] = max_tokens
+        for batch, row in out["decode"].items():
+            row["workload_tok_s"] = workload_tok_s(out["prefill_ms_image_prompt"], row["ms_per_step"], int(batch), max_tokens)
+        return out
+    finally:
+        worker.shutdown()
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"Raw step, {Path(result['model']).name}, {result['steps']} decode steps per batch size "
+             f"(prompt: {result['image_prompt_tokens']} tokens with one image)\n",
+             f"| batch | ms/step (median) | ms/step (mean) | decode tok/s | tok/s with prefill (estimate), {result['workload_max_tokens']}-token outputs |",
+             "|---|---|---|---|---|"]
+    for batch, row in result["decode"].items():
+        lines.append(f"| {batch} | {row['ms_per_step']} | {row['ms_mean']} | {row['tok_s']} | {row['workload_tok_s']} |")
+    lines.append(f"\nPrefill alone: image prompt {result['prefill_ms_image_prompt']} ms (+ {result['preprocess_ms_image_prompt']} ms "
+                 f"preprocessing), {result['long_text_prompt_tokens']}-token text prompt {result['prefill_ms_long_text']} ms.\n")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="gemma4")
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="16 steps per batch size")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output length of the workload limit")
+    parser.add_argument("--model", type=Path, default=None, help="a model directory (default: build arch/size)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    steps = 16 if args.quick else args.steps
+    result = run(args.arch, args.size, BATCHES, steps, warmup=4, max_tokens=args.max_tokens, model=args.model)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
