@@ -63,9 +63,10 @@ def train_bpe(spec: TokenizerSpec, corpus: list[str] | None = None) -> Tokenizer
     return tokenizer
 
 
-def build_tokenizer(spec: TokenizerSpec) -> PreTrainedTokenizerFast:
-    """Train the BPE and wrap it with the spec's special tokens and chat template."""
-    tokenizer = train_bpe(spec)
+def build_tokenizer(spec: TokenizerSpec, corpus: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """Train the BPE (on ``corpus``, default the stdlib) and wrap it with the spec's special
+    tokens and chat template."""
+    tokenizer = train_bpe(spec, corpus)
     # A small corpus may stop short of vocab_size; the model config must use the real size.
     assert tokenizer.get_vocab_size() <= spec.vocab_size
     return PreTrainedTokenizerFast(
