@@ -1,4 +1,4 @@
-"""[main] The ``vlmserve`` command: caption one image, build offline models."""
+"""[main] The ``vlmserve`` command: caption one image, serve, build offline models, train the demo."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ EXIT_USAGE = 2
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if argv is None and getattr(args, "wants_openblas", False):
+        from vlmserve.blas import reexec_with_openblas
+
+        reexec_with_openblas(sys.argv[1:])  # returns only when it does not restart
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)
 
@@ -60,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--ignore-eos", action="store_true", help="the model never emits EOS (benchmarks)")
     build.add_argument("--force", action="store_true")
     build.set_defaults(func=_build_command)
+
+    from vlmserve.testing.demo import add_cli
+
+    add_cli(sub)  # train-demo, eval-demo
     return parser
 
 
@@ -126,7 +134,10 @@ def caption(config: CaptionConfig) -> int:
         image = load_image_file(config.image)
     except ImageError as exc:
         return _fail(str(exc))
-    model_path, name = resolve_model(config.model)
+    try:
+        model_path, name = resolve_model(config.model)
+    except FileNotFoundError as exc:
+        return _fail(str(exc))
     worker = MLXWorkerThread(name="mlx-caption")
     worker.start()
     try:

@@ -6,9 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-# Until the trained demo model lands, the default is the offline builder's random-weight gemma4.
-DEFAULT_ARCH = "gemma4"
-DEFAULT_SIZE = "small"
+DEFAULT_MODEL_NAME = "demo-gemma4"  # the model trained in-repo on shapes (assets/demo-gemma4)
 DEFAULT_PROMPT = "Describe this image."
 
 
@@ -23,14 +21,15 @@ class CaptionConfig:
 
 
 def default_model_path() -> Path:
-    """Build (once, cached) and return the built-in default model; prints progress to stderr."""
-    from vlmserve.testing import build_model
+    """The built-in demo model, committed in ``assets/``; FileNotFoundError (saying how to
+    retrain it) when it is missing."""
+    from vlmserve.testing.demo import demo_model_path
 
-    return build_model(DEFAULT_ARCH, DEFAULT_SIZE)
+    return demo_model_path()
 
 
 def resolve_model(spec: str | None) -> tuple[str, str]:
     """``(path_or_hub_id, display name)`` for ``--model``; None means the built-in default."""
     if spec:
         return os.path.expanduser(spec), spec
-    return str(default_model_path()), f"vlmserve-default ({DEFAULT_ARCH}-{DEFAULT_SIZE}, random weights)"
+    return str(default_model_path()), DEFAULT_MODEL_NAME

@@ -72,7 +72,11 @@ class _Server(uvicorn.Server):
 
 def serve(config: ServeConfig) -> int:
     """Run until a signal; non-zero exit when a model fails to load."""
-    state = build_state(config)
+    try:
+        state = build_state(config)
+    except FileNotFoundError as exc:  # the built-in demo model is missing from assets/
+        print(f"vlmserve: error: {exc}", file=sys.stderr)
+        return 1
     holder: list[_Server] = []
     app = create_app(state, on_fatal=lambda message: holder[0].fail(message))
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,

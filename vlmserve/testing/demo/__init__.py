@@ -1,0 +1,56 @@
+"""[any] The built-in demo VLM: a small gemma4 trained in-repo, on the CPU, on synthetic scenes.
+
+    from vlmserve.testing.demo import demo_model_path
+    path = demo_model_path()  # assets/demo-gemma4: mlx_vlm.load(str(path)) loads it
+
+It captions pictures of coloured shapes, answers questions about them, greets, and calls a
+weather tool; see assets/demo-gemma4/MODEL_CARD.md for exactly what it knows. Importing this
+package is cheap: MLX is imported only by training and evaluation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vlmserve.testing.demo.commands import add_cli
+from vlmserve.testing.demo.evaluate import DEFAULT_EVAL_N
+
+DEMO_MODEL_DIR: Path = Path(__file__).resolve().parents[3] / "assets" / "demo-gemma4"
+
+__all__ = ["DEMO_MODEL_DIR", "add_cli", "demo_model_path", "evaluate_demo", "train_demo"]
+
+
+def demo_model_path() -> Path:
+    """The committed demo model's directory; FileNotFoundError if it is not there."""
+    if not (DEMO_MODEL_DIR / "config.json").is_file() or not (DEMO_MODEL_DIR / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"the demo model is missing from {DEMO_MODEL_DIR} (expected config.json and model.safetensors); "
+            f"train it with: vlmserve train-demo --out {DEMO_MODEL_DIR}"
+        )
+    return DEMO_MODEL_DIR
+
+
+def train_demo(
+    out: Path,
+    seed: int = 0,
+    steps: int | None = None,
+    evaluate: bool = True,
+    eval_n: int = DEFAULT_EVAL_N,
+) -> Path:
+    """Train the demo model into ``out`` (replacing an earlier one), score it, write its card."""
+    from vlmserve.testing.demo.card import write_model_card
+    from vlmserve.testing.demo.train import TrainConfig, train
+
+    config = TrainConfig(seed=seed) if steps is None else TrainConfig(seed=seed, steps=steps)
+    info = train(config, Path(out))
+    scores = evaluate_demo(Path(out), n=eval_n) if evaluate else None
+    write_model_card(Path(out), info, scores)
+    return Path(out)
+
+
+def evaluate_demo(path: Path, n: int = DEFAULT_EVAL_N) -> dict[str, Any]:
+    """Caption exact match and QA accuracy on ``n`` held-out scenes, through the serving path."""
+    from vlmserve.testing.demo.evaluate import evaluate_demo as run
+
+    return run(Path(path), n=n)

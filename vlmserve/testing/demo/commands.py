@@ -1,0 +1,65 @@
+"""[main] The ``train-demo`` and ``eval-demo`` subcommands, for ``vlmserve.cli`` to register."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from vlmserve.testing.demo.evaluate import DEFAULT_EVAL_N
+
+
+def add_cli(subparsers: Any) -> None:
+    """Register ``train-demo`` and ``eval-demo`` on an ``argparse`` subparsers object."""
+    train = subparsers.add_parser("train-demo", help="train the built-in demo model on synthetic scenes (CPU, ~10 min)")
+    train.add_argument("--out", type=Path, required=True, help="directory to write the model to (replaced)")
+    train.add_argument("--seed", type=int, default=0, help="same seed, byte-identical weights")
+    train.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the shipped model's)")
+    train.set_defaults(func=_train_command, wants_openblas=True)
+
+    evaluate = subparsers.add_parser("eval-demo", help="score the demo model on held-out scenes")
+    evaluate.add_argument("--model", type=Path, default=None, help="model directory (default: the built-in demo)")
+    evaluate.add_argument("--n", type=int, default=DEFAULT_EVAL_N, help="held-out scenes (a caption and a question each)")
+    evaluate.set_defaults(func=_eval_command)
+
+
+def _train_command(args: argparse.Namespace) -> int:
+    from vlmserve.testing.demo import train_demo
+
+    if args.steps is not None and args.steps < 1:
+        return _fail("--steps must be at least 1")
+    path = train_demo(args.out, seed=args.seed, steps=args.steps)
+    print(path)
+    return 0
+
+
+def _eval_command(args: argparse.Namespace) -> int:
+    from vlmserve.testing.demo import demo_model_path, evaluate_demo
+
+    if args.n < 1:
+        return _fail("--n must be at least 1")
+    try:
+        path = args.model or demo_model_path()
+    except FileNotFoundError as exc:
+        return _fail(str(exc))
+    print(format_scores(evaluate_demo(path, n=args.n)))
+    return 0
+
+
+def format_scores(scores: dict[str, Any]) -> str:
+    """The scores as a small fixed-width table, then the first failures if any."""
+    rows = [("caption exact match", scores["n_scenes"], scores["caption_exact_match"]),
+            ("qa accuracy", scores["n_scenes"], scores["qa_accuracy"])]  # fmt: skip
+    rows += [(f"  {name}", g["n"], g["accuracy"]) for name, g in scores["groups"].items() if name != "caption"]
+    lines = [f"{'metric':<22}{'n':>6}{'score':>8}", "-" * 36]
+    lines += [f"{name:<22}{n:>6}{value:>8.3f}" for name, n, value in rows]
+    lines.append(f"{'ended by EOS':<22}{'':>6}{scores['stopped_by_eos']:>8.3f}")
+    for failure in scores.get("failures", [])[:5]:
+        lines.append(f"miss: expected {failure['expected']!r}, got {failure['got']!r}")
+    return "\n".join(lines)
+
+
+def _fail(message: str) -> int:
+    print(f"vlmserve: error: {message}", file=sys.stderr)
+    return 2
