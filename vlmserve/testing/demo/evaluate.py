@@ -2,7 +2,7 @@
 
 The model is loaded by ``vlmserve.engine.loader.load_model`` on an ``MLXWorkerThread`` and every
 answer is decoded greedily by ``generate_tokens`` on a ``ModelRunner``, as ``vlmserve caption``
-does. Held-out scenes show (shape, colour) pairs and relation combos training never saw.
+does. Each held-out scene shows a (shape, colour, cell) combination training never saw.
 """
 
 from __future__ import annotations

@@ -124,13 +124,6 @@ def relation(first: Shape, second: Shape) -> str:
     return "to the left of" if first.row == second.row else "above"
 
 
-def where(shape: Shape) -> str:
-    """The cell in words: "top left", "middle centre" is "centre"."""
-    if shape.cell == CELLS // 2:
-        return "centre"
-    return f"{ROW_NAMES[shape.row]} {COLUMN_NAMES[shape.column]}"
-
-
 # -- questions -------------------------------------------------------------------------
 
 

@@ -12,9 +12,11 @@ What the experiments behind the defaults showed (shared 2-core CPU, MLX's CPU ba
   exact, shapes confused. A 3x3 grid lined up with 3x3 soft tokens (16 px patches pooled 2x2,
   one token per cell) made every warm-up label exact: 99% of held-out cells right.
 - With the vision tower taught, captions came right (~80%) but questions that must find a
-  shape by name ("What colour is the star?") stayed near chance: nothing tied the word to the
-  image's features. Words of 2-4 stdlib BPE tokens (" red" = " re" + "d") and a random
-  connector made that slow; hence the demo's own BPE corpus and ``warmup.init_connector``.
+  shape by name ("What colour is the star?") stayed at chance, even trained on questions alone:
+  nothing tied the word to the image's features in budget. What fixed it: the demo's own BPE
+  corpus (" red" was " re" + "d"), ``warmup.init_connector`` (captions 100% held-out), and
+  answers that say the caption first, then "The star is green." / "The star is not there.":
+  the word asked about sits right before the answer, found in the model's own words.
 - Adam without bias correction (MLX's default) moves every weight ~3x the rate in its first
   steps: at 1e-2 that collapsed the image features within ~10 steps. The vision tower runs at
   a tenth of the rate here, to keep what the warm-up taught it.
