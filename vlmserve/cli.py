@@ -75,12 +75,12 @@ def _serve_command(args: argparse.Namespace) -> int:
     from vlmserve.server import ServeConfig, serve
 
     if args.max_batch_size < 1 or args.max_queue < 0:
-        return _fail("--max-batch-size must be >= 1 and --max-queue >= 0")
+        return usage_error("--max-batch-size must be >= 1 and --max-queue >= 0")
     if args.tool_parser is not None and args.tool_parser not in ("gemma4", "hermes", "qwen"):
-        return _fail("--tool-parser must be gemma4, hermes or qwen")
+        return usage_error("--tool-parser must be gemma4, hermes or qwen")
     for directory in args.allowed_media_dir:
         if not directory.is_dir():
-            return _fail(f"--allowed-media-dir {directory}: not a directory")
+            return usage_error(f"--allowed-media-dir {directory}: not a directory")
     config = ServeConfig(
         tuple(args.model), args.host, args.port, args.api_key, args.max_batch_size, args.max_queue,
         tuple(args.allowed_media_dir), args.allow_remote_images, args.tool_parser, not args.no_prefix_cache,
@@ -95,21 +95,21 @@ def _build_command(args: argparse.Namespace) -> int:
     try:
         path = build_model(args.arch, args.size, out=args.out, seed=args.seed, ignore_eos=args.ignore_eos, force=args.force)
     except ValueError as exc:
-        return _fail(str(exc))
+        return usage_error(str(exc))
     print(path)
     return 0
 
 
 def _caption_command(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
-        return _fail("--max-tokens must be at least 1")
+        return usage_error("--max-tokens must be at least 1")
     if args.temperature < 0:
-        return _fail("--temperature must be >= 0")
+        return usage_error("--temperature must be >= 0")
     config = CaptionConfig(args.image, args.model, args.prompt, args.max_tokens, args.temperature, args.seed)
     return caption(config)
 
 
-def _fail(message: str) -> int:
+def usage_error(message: str) -> int:
     print(f"vlmserve: error: {message}", file=sys.stderr)
     return EXIT_USAGE
 
@@ -133,18 +133,18 @@ def caption(config: CaptionConfig) -> int:
     try:
         image = load_image_file(config.image)
     except ImageError as exc:
-        return _fail(str(exc))
+        return usage_error(str(exc))
     try:
         model_path, name = resolve_model(config.model)
     except FileNotFoundError as exc:
-        return _fail(str(exc))
+        return usage_error(str(exc))
     worker = MLXWorkerThread(name="mlx-caption")
     worker.start()
     try:
         loaded = _wait_with_spinner(worker.submit(load_model, model_path, name), f"loading {name}")
         return _stream_caption(worker, loaded, image, config)
     except ModelLoadError as exc:
-        return _fail(str(exc))
+        return usage_error(str(exc))
     finally:
         worker.shutdown()
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
+from vlmserve.cli import usage_error
 from vlmserve.testing.demo.evaluate import DEFAULT_EVAL_N
 
 
@@ -28,7 +28,7 @@ def _train_command(args: argparse.Namespace) -> int:
     from vlmserve.testing.demo import train_demo
 
     if args.steps is not None and args.steps < 1:
-        return _fail("--steps must be at least 1")
+        return usage_error("--steps must be at least 1")
     path = train_demo(args.out, seed=args.seed, steps=args.steps)
     print(path)
     return 0
@@ -38,11 +38,11 @@ def _eval_command(args: argparse.Namespace) -> int:
     from vlmserve.testing.demo import demo_model_path, evaluate_demo
 
     if args.n < 1:
-        return _fail("--n must be at least 1")
+        return usage_error("--n must be at least 1")
     try:
         path = args.model or demo_model_path()
     except FileNotFoundError as exc:
-        return _fail(str(exc))
+        return usage_error(str(exc))
     print(format_scores(evaluate_demo(path, n=args.n)))
     return 0
 
@@ -58,8 +58,3 @@ def format_scores(scores: dict[str, Any]) -> str:
     for failure in scores.get("failures", [])[:5]:
         lines.append(f"miss: expected {failure['expected']!r}, got {failure['got']!r}")
     return "\n".join(lines)
-
-
-def _fail(message: str) -> int:
-    print(f"vlmserve: error: {message}", file=sys.stderr)
-    return 2
