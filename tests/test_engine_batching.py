@@ -97,8 +97,28 @@ def test_a_request_arriving_mid_decode_starts_within_one_step(gemma4_micro):
             return delays
 
     delays = asyncio.run(scenario())
-    # Posted during step k (k-1 steps done): drained and prefilled at step k+1 at the latest.
+    # Posted once step k's output is out (k steps counted); the worker may already be inside
+    # step k+1, so the newcomer is drained and prefilled at step k+2 at the latest.
     assert len(delays) == 5 and max(delays) <= 2, delays
+
+
+def test_metrics_read_with_an_output_already_count_its_step(gemma4_micro):
+    """The worker records its counters before it publishes: no stale "running" after a finish."""
+    prompt = PromptInputs(list(range(5, 25)))
+
+    async def scenario():
+        async with running_engine(gemma4_micro, max_batch_size=2) as engine:
+            seen = []
+            for i in range(20):
+                async for out in engine.generate(f"m{i}", prompt, SamplingParams(max_tokens=1 + i % 3)):
+                    m = engine.metrics
+                    seen.append((out.finished, out.engine_step, m.steps, m.running, m.batch_size))
+            return seen
+
+    for finished, step, steps, running, batch_size in asyncio.run(scenario()):
+        assert step == steps
+        if finished:
+            assert running == batch_size == 0
 
 
 def test_slow_phase1_never_delays_other_requests(gemma4_micro):

@@ -88,7 +88,7 @@ class EngineCore:
 
     def step(self) -> None:
         self.worker.assert_on_worker()
-        start = time.perf_counter()
+        start, index = time.perf_counter(), self.metrics.steps + 1
         self._drain_inbox()
         plan = self.scheduler.schedule()
         if plan.decode:
@@ -96,8 +96,9 @@ class EngineCore:
         for req in plan.prefill:
             if req.status is RequestStatus.RUNNING:
                 self._guarded([req], self._prefill, req)
-        self._publish()
+        # Counters first: whoever sees this step's outputs also sees the state they left behind.
         self._record(time.perf_counter() - start, bool(plan.decode or plan.prefill))
+        self._publish(index)
 
     # -- inbox ----------------------------------------------------------------------
 
@@ -204,13 +205,13 @@ class EngineCore:
             pending = self._pending[req.request_id] = _Pending(req)
         return pending
 
-    def _publish(self) -> None:
+    def _publish(self, index: int) -> None:
         for p in self._pending.values():
             req = p.req
             out = StepOutput(
                 req.request_id, tuple(p.tokens), tuple(p.logprobs),
                 p.finish.value if p.finish else None, p.error,
-                req.num_prompt_tokens, req.num_cached_tokens, self.metrics.steps + 1,
+                req.num_prompt_tokens, req.num_cached_tokens, index,
             )
             try:
                 req.sink(out)
@@ -237,4 +238,5 @@ class EngineCore:
         self._drain_inbox()
         for req in [*self.scheduler.running, *self.scheduler.waiting]:
             self._finish(req, RequestStatus.FINISHED_ERROR, message)
-        self._publish()
+        self._record(self.metrics.last_step_s, False)
+        self._publish(self.metrics.steps + 1)
