@@ -8,6 +8,7 @@ import threading
 from conftest import Result, collect, running_engine, scene
 
 from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.request import AddRequest, StepOutput
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 LONG_TEXT = " ".join(f"word{i}" for i in range(60))
@@ -102,23 +103,32 @@ def test_a_request_arriving_mid_decode_starts_within_one_step(gemma4_micro):
     assert len(delays) == 5 and max(delays) <= 2, delays
 
 
-def test_metrics_read_with_an_output_already_count_its_step(gemma4_micro):
-    """The worker records its counters before it publishes: no stale "running" after a finish."""
-    prompt = PromptInputs(list(range(5, 25)))
+def test_every_output_is_published_after_its_step_is_recorded(gemma4_micro):
+    """Whoever sees an output sees the counters of its step: no stale "running" after a finish.
+
+    The sink runs on the worker at the moment of publishing, so it reads what the event loop
+    could read first once the output reaches it.
+    """
+    prompt = PromptInputs(list(range(5, 25)))  # within one prefill chunk: every admitted row outputs each step
+    seen, last_done = [], threading.Event()
 
     async def scenario():
         async with running_engine(gemma4_micro, max_batch_size=2) as engine:
-            seen = []
-            for i in range(20):
-                async for out in engine.generate(f"m{i}", prompt, SamplingParams(max_tokens=1 + i % 3)):
-                    m = engine.metrics
-                    seen.append((out.finished, out.engine_step, m.steps, m.running, m.batch_size))
-            return seen
+            def sink(out: StepOutput) -> None:
+                m = engine.metrics
+                seen.append((out, m.steps, m.running, m.batch_size))
+                if out.request_id == "m5" and out.finish_reason:
+                    last_done.set()
 
-    for finished, step, steps, running, batch_size in asyncio.run(scenario()):
-        assert step == steps
-        if finished:
-            assert running == batch_size == 0
+            for i in range(6):
+                engine.core.post(AddRequest(f"m{i}", prompt, SamplingParams(max_tokens=1 + i, ignore_eos=True), sink))
+            return await asyncio.to_thread(last_done.wait, 30)
+
+    assert asyncio.run(scenario())
+    assert sum(1 for out, *_ in seen if out.finish_reason) == 6
+    for out, steps, running, batch_size in seen:
+        going_on = sum(1 for o, *_ in seen if o.step == out.step and not o.finish_reason)
+        assert (out.step, running, batch_size) == (steps, going_on, going_on)
 
 
 def test_slow_phase1_never_delays_other_requests(gemma4_micro):
