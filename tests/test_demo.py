@@ -1,6 +1,6 @@
 """The demo model: scene generator, training inputs, and the committed model as an oracle.
 
-The committed model (assets/demo-gemma4) answers exactly, so these tests check the serving
+The committed model (vlmserve/assets/demo-gemma4) answers exactly, so these tests check the serving
 path by its answers: the engine, batching or preprocessing corrupting anything changes them.
 """
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "demo-gemma4"  # the model trained in-repo on shapes (assets/demo-gemma4)
+DEFAULT_MODEL_NAME = "demo-gemma4"  # the model trained in-repo on shapes (vlmserve/assets/demo-gemma4)
+# Package data, so a wheel carries it; installed packages live on disk and mlx_vlm.load wants a path.
+DEMO_MODEL_DIR: Path = Path(str(resources.files("vlmserve") / "assets" / DEFAULT_MODEL_NAME))
 DEFAULT_PROMPT = "Describe this image."
 # How float weights are served: auto (float32 on a Linux CPU with OpenBLAS, else as stored),
 # model (as stored), or one dtype. See vlmserve.engine.loader.serving_dtype.
@@ -26,11 +29,14 @@ class CaptionConfig:
 
 
 def default_model_path() -> Path:
-    """The built-in demo model, committed in ``assets/``; FileNotFoundError (saying how to
-    retrain it) when it is missing."""
-    from vlmserve.testing.demo import demo_model_path
-
-    return demo_model_path()
+    """The built-in demo model, package data in ``vlmserve/assets/``; FileNotFoundError (saying
+    how to retrain it) when it is missing."""
+    if not all((DEMO_MODEL_DIR / name).is_file() for name in ("config.json", "model.safetensors")):
+        raise FileNotFoundError(
+            f"the demo model is missing from {DEMO_MODEL_DIR} (expected config.json and model.safetensors); "
+            f"train it with: vlmserve train-demo --out {DEMO_MODEL_DIR}"
+        )
+    return DEMO_MODEL_DIR
 
 
 def resolve_model(spec: str | None) -> tuple[str, str]:

@@ -76,7 +76,7 @@ def serve(config: ServeConfig) -> int:
     """Run until a signal; non-zero exit when a model fails to load."""
     try:
         state = build_state(config)
-    except FileNotFoundError as exc:  # the built-in demo model is missing from assets/
+    except FileNotFoundError as exc:  # the built-in demo model is missing from vlmserve/assets/
         print(f"vlmserve: error: {exc}", file=sys.stderr)
         return 1
     holder: list[_Server] = []

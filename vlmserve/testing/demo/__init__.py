@@ -1,10 +1,10 @@
 """[any] The built-in demo VLM: a small gemma4 trained in-repo, on the CPU, on synthetic scenes.
 
     from vlmserve.testing.demo import demo_model_path
-    path = demo_model_path()  # assets/demo-gemma4: mlx_vlm.load(str(path)) loads it
+    path = demo_model_path()  # vlmserve/assets/demo-gemma4: mlx_vlm.load(str(path)) loads it
 
 It captions pictures of coloured shapes, answers questions about them, greets, and calls a
-weather tool; see assets/demo-gemma4/MODEL_CARD.md for exactly what it knows. Importing this
+weather tool; see vlmserve/assets/demo-gemma4/MODEL_CARD.md for exactly what it knows. Importing this
 package is cheap: MLX is imported only by training and evaluation.
 """
 
@@ -13,22 +13,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from vlmserve.config import DEMO_MODEL_DIR, default_model_path
 from vlmserve.testing.demo.commands import add_cli
 from vlmserve.testing.demo.evaluate import DEFAULT_EVAL_N
-
-DEMO_MODEL_DIR: Path = Path(__file__).resolve().parents[3] / "assets" / "demo-gemma4"
 
 __all__ = ["DEMO_MODEL_DIR", "add_cli", "demo_model_path", "evaluate_demo", "train_demo"]
 
 
 def demo_model_path() -> Path:
-    """The committed demo model's directory; FileNotFoundError if it is not there."""
-    if not (DEMO_MODEL_DIR / "config.json").is_file() or not (DEMO_MODEL_DIR / "model.safetensors").is_file():
-        raise FileNotFoundError(
-            f"the demo model is missing from {DEMO_MODEL_DIR} (expected config.json and model.safetensors); "
-            f"train it with: vlmserve train-demo --out {DEMO_MODEL_DIR}"
-        )
-    return DEMO_MODEL_DIR
+    """The committed demo model's directory (package data); FileNotFoundError if it is not there."""
+    return default_model_path()
 
 
 def train_demo(

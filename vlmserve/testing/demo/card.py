@@ -35,7 +35,7 @@ def _header(info: dict[str, Any]) -> str:
         "random weights, inside this repository, on synthetic pictures of coloured shapes. It is\n"
         "vlmserve's default model and the oracle its tests trust: it really looks at the image.\n"
         "It knows nothing of the world beyond what is listed here. Retrain it with\n"
-        "`vlmserve train-demo --out assets/demo-gemma4` (deterministic for a seed)."
+        "`vlmserve train-demo --out vlmserve/assets/demo-gemma4` (deterministic for a seed)."
     )
 
 
