@@ -98,7 +98,7 @@ def server(gemma4_micro, media_dir, tmp_path_factory):
     from server_utils import start_server
 
     log = tmp_path_factory.mktemp("logs") / "server.log"
-    args = ["--model", str(gemma4_micro), "--allowed-media-dir", str(media_dir), "--max-model-len", "400",
+    args = ["--model", str(gemma4_micro), "--allowed-media-dir", str(media_dir), "--allow-remote-images", "--max-model-len", "400",
             "--max-request-mb", "2"]
     proc = start_server(args, log)
     yield proc

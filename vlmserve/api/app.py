@@ -106,7 +106,8 @@ def _auth(state: ServerState) -> Callable[[Request], None]:
 
 
 class BodyLimit:
-    """413 for bodies over the limit, by Content-Length or by counting a chunked upload."""
+    """413 for bodies over the limit, by Content-Length or by counting a chunked upload; 400 for a
+    body that is not UTF-8 (JSON text must be, and UTF-16 or UTF-32 always has a NUL byte)."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -116,16 +117,18 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._reject(send)
+            return await self._too_large().response()(scope, receive, send)
         received, rejected = 0, False
 
-        async def counting_receive() -> dict[str, Any]:
+        async def checking_receive() -> dict[str, Any]:
             nonlocal received, rejected
             message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes and not rejected:
+            body = message.get("body", b"")
+            received += len(body)
+            error = self._too_large() if received > self.max_bytes else _not_utf8() if b"\x00" in body else None
+            if error is not None and not rejected:
                 rejected = True
-                await self._reject(send)
+                await error.response()(scope, receive, send)
                 return {"type": "http.disconnect"}  # the app stops reading; what it sends is dropped
             return message
 
@@ -133,11 +136,13 @@ class BodyLimit:
             if not rejected:
                 await send(message)
 
-        await self.app(scope, counting_receive, guarded_send)
+        await self.app(scope, checking_receive, guarded_send)
 
-    def _error(self) -> APIError:
+    def _too_large(self) -> APIError:
         return APIError(413, f"request body is over the {self.max_bytes}-byte limit", "invalid_request_error",
                         None, "request_too_large")
 
-    async def _reject(self, send: Any) -> None:
-        await self._error().response()({"type": "http"}, None, send)
+
+def _not_utf8() -> APIError:
+    return APIError(400, "request body must be JSON in UTF-8 (it has NUL bytes: UTF-16 or UTF-32?)",
+                    "invalid_request_error", None, "invalid_encoding")

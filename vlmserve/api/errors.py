@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
+FASTAPI_PARSE_FAILURE = "There was an error parsing the body"  # what FastAPI says when json.loads recurses too deep
 
 
 class APIError(Exception):
@@ -36,11 +37,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
     """Pydantic's first complaint, said precisely: which field and why."""
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
     if first.get("type") == "json_invalid":
-        return bad_request(f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
-                           None, "invalid_json")
+        reason = str(first.get("ctx", {}).get("error", first.get("msg")))
+        if "recursion limit" in reason:  # pydantic's parser stops near 200 levels
+            return bad_request(f"request body nests too deep to parse ({reason})", None, "json_too_deep")
+        return bad_request(f"request body is not valid JSON: {reason}", None, "invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    msg = str(first.get("msg")).removeprefix("Value error, ")
+    message = f"{param}: {msg}" if param else msg
     return bad_request(message, param, "invalid_value")
 
 
@@ -55,6 +59,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == FASTAPI_PARSE_FAILURE:  # json.loads raised, not a syntax error
+            return bad_request("request body could not be parsed as JSON: it nests too deep", None,
+                               "json_too_deep").response()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), kind).response()
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmserve.api.errors import bad_request
+from vlmserve.api.limits import check_json
 from vlmserve.api.schemas import ChatCompletionRequest, ImagePart, Message, NamedToolChoice
 from vlmserve.engine.params import SamplingParams
 
@@ -27,6 +28,7 @@ class ChatInput:
 def to_chat_input(req: ChatCompletionRequest, max_images: int) -> ChatInput:
     if req.n not in (None, 1):
         raise bad_request("n: only n=1 is supported", "n", "unsupported_value")
+    _check_structures(req)
     urls: list[str] = []
     names = _tool_call_names(req.messages)
     messages = [_message(m, i, urls, names) for i, m in enumerate(req.messages)]
@@ -63,12 +65,26 @@ def _content(m: Message, index: int, urls: list[str]) -> str | list[dict[str, An
     return parts
 
 
+def _check_structures(req: ChatCompletionRequest) -> None:
+    """Schemas are bounded, and a tool choice names tools that were given."""
+    for i, tool in enumerate(req.tools or ()):
+        check_json(tool.function.parameters, f"tools.{i}.function.parameters")
+    if req.response_format is not None and req.response_format.json_schema is not None:
+        check_json(req.response_format.json_schema, "response_format.json_schema")
+    forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+    if forced and not req.tools:
+        raise bad_request("tool_choice requires tools, and none were given", "tool_choice", "missing_tools")
+
+
 def _tool_call(tc: Any, index: int, j: int) -> dict[str, Any]:
+    param = f"messages.{index}.tool_calls.{j}.function.arguments"
     try:
         arguments = json.loads(tc.function.arguments or "{}")
     except json.JSONDecodeError as exc:
-        raise bad_request(f"messages.{index}.tool_calls.{j}.function.arguments is not valid JSON: {exc.msg}",
-                          f"messages.{index}.tool_calls.{j}.function.arguments") from None
+        raise bad_request(f"{param} is not valid JSON: {exc.msg}", param) from None
+    except RecursionError:
+        raise bad_request(f"{param} nests too deep", param, "json_too_deep") from None
+    check_json(arguments, param)
     return {"id": tc.id, "type": "function", "function": {"name": tc.function.name, "arguments": arguments}}
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SEED_MAX = 2**64 - 1  # what the sampler's random key takes
+CONTENT_PART_TYPES = ("text", "image_url")
 
 
 class _Lenient(BaseModel):
@@ -48,6 +51,19 @@ class Message(_Lenient):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known_parts(cls, content: Any) -> Any:
+        """Name an unsupported part and its type, instead of pydantic's guess at the union."""
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in CONTENT_PART_TYPES:
+                    what = f"type {kind!r}" if kind is not None else f"no 'type' ({type(part).__name__})"
+                    raise ValueError(f"content part {i} has {what}; this server takes "
+                                     f"{' and '.join(CONTENT_PART_TYPES)} parts")
+        return content
+
 
 class FunctionDef(_Lenient):
     name: str = Field(min_length=1, max_length=128)
@@ -87,7 +103,7 @@ class ChatCompletionRequest(_Lenient):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)

@@ -22,6 +22,7 @@ class MediaPolicy:
 
     allowed_dirs: tuple[Path, ...] = field(default_factory=tuple)
     allow_remote: bool = False
+    allowed_domains: tuple[str, ...] = ()  # when given, the only hosts remote URLs may name
     max_bytes: int = DEFAULT_MAX_BYTES
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_images: int = 8
@@ -60,30 +61,25 @@ def _data_url_bytes(url: str, label: str) -> bytes:
 def _read_allowed_file(path: Path, policy: MediaPolicy, label: str) -> bytes:
     if not policy.allowed_dirs:
         raise ImageError(f"{label}: local files are disabled (start the server with --allowed-media-dir)")
-    resolved = path.expanduser().resolve()
-    if not any(resolved.is_relative_to(d.resolve()) for d in policy.allowed_dirs):
-        raise ImageError(f"{label}: {path} is outside the allowed media directories")
-    if not resolved.is_file():
-        raise ImageError(f"{label}: {path}: no such file")
-    size = resolved.stat().st_size
-    if size > policy.max_bytes:
-        raise ImageError(f"{label}: {size} bytes is over the {policy.max_bytes}-byte limit")
-    return resolved.read_bytes()
+    if "\x00" in str(path):
+        raise ImageError(f"{label}: the file path contains a NUL byte")
+    try:
+        resolved = path.expanduser().resolve()
+        if not any(resolved.is_relative_to(d.resolve()) for d in policy.allowed_dirs):
+            raise ImageError(f"{label}: {path} is outside the allowed media directories")
+        if not resolved.is_file():
+            raise ImageError(f"{label}: {path}: no such file")
+        size = resolved.stat().st_size
+        if size > policy.max_bytes:
+            raise ImageError(f"{label}: {size} bytes is over the {policy.max_bytes}-byte limit")
+        return resolved.read_bytes()
+    except (OSError, ValueError) as exc:  # a name too long, a permission, a race with a deletion
+        raise ImageError(f"{label}: cannot read {path}: {type(exc).__name__}") from None
 
 
 def _fetch_remote(url: str, policy: MediaPolicy, label: str) -> bytes:
     if not policy.allow_remote:
         raise ImageError(f"{label}: remote image URLs are disabled (start the server with --allow-remote-images)")
-    import httpx
+    from vlmserve.preprocess.remote import fetch_remote
 
-    try:
-        with httpx.stream("GET", url, timeout=policy.remote_timeout_s, follow_redirects=True) as response:
-            response.raise_for_status()
-            data = bytearray()
-            for chunk in response.iter_bytes():
-                data += chunk
-                if len(data) > policy.max_bytes:
-                    raise ImageError(f"{label}: remote image is over the {policy.max_bytes}-byte limit")
-            return bytes(data)
-    except httpx.HTTPError as exc:
-        raise ImageError(f"{label}: could not fetch {url}: {exc}") from None
+    return fetch_remote(url, policy.allowed_domains, policy.max_bytes, policy.remote_timeout_s, label)

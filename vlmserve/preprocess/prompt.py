@@ -12,6 +12,7 @@ import numpy as np
 from PIL import Image
 
 from vlmserve.engine.params import PromptInputs
+from vlmserve.preprocess.control import ControlTokens
 from vlmserve.preprocess.template import TemplateInfo, adapt_messages, inspect_template
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ def build_prompt(
     template: TemplateInfo = TemplateInfo(),
     instructions: str = "",
     request_id: str = "-",
+    control: ControlTokens = ControlTokens(),
 ) -> PromptInputs:
     """Phase 1 for one request: template, tokenize, preprocess images; logs when slow.
 
@@ -95,6 +97,10 @@ def build_prompt(
     count = sum(_count_images(m) for m in messages)
     if count != len(images):
         raise PromptError(f"{count} image parts in the messages but {len(images)} images given")
+    typed = control.check(messages, tools, instructions)
+    if typed is not None:
+        raise PromptError(f"{typed[0]}: the text contains {typed[1]!r}, a control token of this model; "
+                          "special tokens cannot be sent as text")
     messages, tools = adapt_messages(messages, tools, template, instructions)
     text = render_chat(processor, messages, tools)
     try:
@@ -113,15 +119,18 @@ class PromptBuilder:
 
     processor: Any
     template: TemplateInfo = TemplateInfo()
+    control: ControlTokens = ControlTokens()
 
     @classmethod
     def for_processor(cls, processor: Any) -> PromptBuilder:
-        return cls(processor, inspect_template(templater_of(processor)))
+        return cls(processor, inspect_template(templater_of(processor)),
+                   ControlTokens.of(processor, tokenizer_of(processor)))
 
     def build(self, messages: Sequence[dict[str, Any]], images: Sequence[Image.Image] = (),
               tools: Sequence[dict[str, Any]] | None = None, instructions: str = "",
               request_id: str = "-") -> PromptInputs:
-        return build_prompt(self.processor, messages, images, tools, self.template, instructions, request_id)
+        return build_prompt(self.processor, messages, images, tools, self.template, instructions, request_id,
+                            self.control)
 
 
 def _count_images(message: dict[str, Any]) -> int:

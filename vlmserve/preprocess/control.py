@@ -1,0 +1,73 @@
+"""[pool] Control tokens a client may not type: turn markers, image placeholders, BOS and EOS.
+
+A chat template pastes message text into the prompt, and the tokenizer then reads every special
+token's string as that token. So ``<|image|>`` typed into a message would become an image
+placeholder, and ``<end_of_turn>`` would end the user's turn early. vlmserve refuses such text with
+a 400 naming the token, instead of guessing an escape that each tokenizer would read differently.
+Non-special added tokens (PaliGemma's ``<loc0042>``, Qwen's ``<tool_call>``) are ordinary content.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True, frozen=True)
+class ControlTokens:
+    """The special-token strings of one model, indexed for a fast scan."""
+
+    tokens: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, processor: Any, tokenizer: Any) -> ControlTokens:
+        found: set[str] = set(getattr(tokenizer, "all_special_tokens", None) or ())
+        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        found.update(t.content for t in decoder.values() if getattr(t, "special", False))
+        for owner in (processor, tokenizer):  # image_token, boi_token, video_token...
+            for name in dir(owner):
+                if name.endswith("_token") and not name.startswith("_"):
+                    value = getattr(owner, name, None)
+                    if isinstance(value, str):
+                        found.add(value)
+        return cls(frozenset(t for t in found if len(t) > 1 and not t.isspace()))
+
+    def first_in(self, text: str) -> str | None:
+        """The first control token that occurs in ``text``, if any."""
+        if not self.tokens:
+            return None
+        hits = [(text.find(token), token) for token in self.tokens if token in text]
+        return min(hits)[1] if hits else None
+
+    def check(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+              instructions: str) -> tuple[str, str] | None:
+        """``(where, token)`` for the first control token in any client text, or None."""
+        for where, text in _texts(messages, tools, instructions):
+            token = self.first_in(text)
+            if token is not None:
+                return where, token
+        return None
+
+
+def _texts(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+           instructions: str) -> Iterator[tuple[str, str]]:
+    for i, message in enumerate(messages):
+        yield from _strings(message, f"messages.{i}")
+    for i, tool in enumerate(tools or ()):
+        yield from _strings(tool, f"tools.{i}")
+    yield "response_format", instructions
+
+
+def _strings(value: Any, where: str) -> Iterable[tuple[str, str]]:
+    """Every string in a JSON-like value, keys included, walked with a stack."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield where, item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
