@@ -30,7 +30,8 @@ from loadgen import (
     summarize,
     synthetic_images,
 )
-from tqdm import tqdm
+
+from vlmserve.progress import Progress, progress
 
 SCENARIO_TIMEOUT_S = 300.0
 PROBE_INTERVAL_S = 0.05
@@ -57,7 +58,7 @@ class BenchConfig:
 class Bench:
     """One server under test: its client, a progress bar and a stock of distinct images."""
 
-    def __init__(self, target: Target, config: BenchConfig, client: httpx.AsyncClient, bar: tqdm) -> None:
+    def __init__(self, target: Target, config: BenchConfig, client: httpx.AsyncClient, bar: Progress) -> None:
         self.target, self.config, self.client, self.bar = target, config, client, bar
         self.images = synthetic_images(256)  # more than a run sends: no image repeats
         self._sent = 0
@@ -196,7 +197,7 @@ async def run_all(target: Target, config: BenchConfig, label: str = "server") ->
     out: dict[str, Any] = {"label": label, "base_url": target.base_url, "model": target.model,
                            "extra_body": target.extra_body, "config": vars_of(config), "scenarios": {}}
     async with httpx.AsyncClient(base_url=target.base_url, limits=limits, timeout=timeout) as client:
-        with tqdm(total=total_requests(config), desc=label, unit="req", file=sys.stderr) as bar:
+        with progress(total=total_requests(config), desc=label, unit="req", file=sys.stderr) as bar:
             bench = Bench(target, config, client, bar)
             out["probe_path"] = await probe_path(client)
             steps: list[tuple[str, Callable[[], Any]]] = [("warmup", bench.warmup)]

@@ -147,11 +147,11 @@ def remove_build(path: Path) -> None:
 
 def write_model(key: BuildKey, path: Path) -> None:
     """Write tokenizer, processor, config and weights into ``path``, with a progress bar."""
-    from tqdm import tqdm
+    from vlmserve.progress import progress
 
     start = time.perf_counter()
     recipe = load_recipe(key.arch, key.size)
-    with tqdm(STAGES, desc=f"building {key.arch}/{key.size}", file=sys.stderr, leave=False) as bar:
+    with progress(STAGES, desc=f"building {key.arch}/{key.size}", file=sys.stderr, leave=False) as bar:
         bar.set_postfix_str("tokenizer")
         tokenizer = _build_tokenizer(recipe)
         bar.update(1)

@@ -146,12 +146,11 @@ class Trainer:
 
     def warm_up_vision(self) -> tuple[list[float], float]:
         """The vision-only phase (see warmup.py), with its own progress bar."""
-        from tqdm import tqdm
-
+        from vlmserve.progress import progress
         from vlmserve.testing.demo.warmup import warm_up_vision
 
         config = self.config
-        with tqdm(total=config.vision_warmup_steps, desc="vision warm-up", file=sys.stderr) as bar:
+        with progress(total=config.vision_warmup_steps, desc="vision warm-up", file=sys.stderr) as bar:
 
             def on_step(loss: float) -> None:
                 bar.update(1)
@@ -164,11 +163,11 @@ class Trainer:
 
     def run(self) -> list[float]:
         """All steps with a progress bar; returns the loss of every step."""
-        from tqdm import tqdm
+        from vlmserve.progress import progress
 
         stream = prefetch(batch_stream(self.processor, np.random.default_rng([self.config.seed, 1]), self.config.batch_size))
         losses: list[float] = []
-        with tqdm(range(1, self.config.steps + 1), desc="training demo-gemma4", file=sys.stderr) as bar:
+        with progress(range(1, self.config.steps + 1), desc="training demo-gemma4", file=sys.stderr) as bar:
             for step in bar:
                 losses.append(self.step(next(stream)))
                 bar.set_postfix(loss=f"{_smooth(losses):.3f}", tok=self.tokens_seen)

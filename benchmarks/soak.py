@@ -1,0 +1,314 @@
+"""[main] Soak: ``vlmserve serve`` under mixed load at concurrency 4 for 10 minutes, its RSS over time.
+
+    python benchmarks/soak.py [--duration 600] [--warmup S] [--concurrency 4] [--model DIR] [--out DIR] [--no-plot]
+
+Starts the server (the built-in demo model unless --model) and keeps ``concurrency`` requests in
+flight until the time is up: image and text prompts, streamed and not, tool calls and tool
+results, streams the client drops after a few chunks, max_tokens from 8 to 128 (half with
+ignore_eos). The server's RSS is sampled every few seconds. After the warm-up (default: the
+first 10% of the run) the RSS at the start of the rest is compared with its end, each the median
+of the samples in a short window: the run fails (exit status 1) if that growth is 10% or more, if
+any request got a 5xx or failed otherwise, or if the server died. Writes ``soak.json``, the
+server's log and ``soak.png`` (RSS over time) to DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from compare import free_port, stop, wait_ready
+from loadgen import (
+    REQUEST_TIMEOUT_S,
+    RequestResult,
+    Target,
+    messages,
+    prompt_text,
+    stream_chat,
+    summarize,
+    synthetic_images,
+)
+
+from vlmserve.progress import Progress, progress
+from vlmserve.testing.demo.dialogues import CITIES, UNITS, WEATHER_TOOL, weather_exchange
+
+try:
+    import psutil
+except ImportError:  # not a dependency: /proc gives the same number on Linux
+    psutil = None
+
+HERE = Path(__file__).resolve().parent
+GROWTH_LIMIT_PCT = 10.0
+MAX_TOKENS = (8, 16, 32, 64, 128)
+
+
+@dataclass(slots=True, frozen=True)
+class Kind:
+    """One kind of request in the mix, and how often it comes up."""
+
+    name: str
+    weight: int
+    image: bool = False
+    stream: bool = True
+    tools: bool = False
+    cancel: bool = False  # the client drops the stream after 1-4 chunks
+
+
+MIX = (Kind("image-stream", 3, image=True), Kind("text-stream", 2), Kind("image-json", 2, image=True, stream=False),
+       Kind("text-json", 1, stream=False), Kind("tool-call-stream", 1, tools=True),
+       Kind("tool-call-json", 1, stream=False, tools=True), Kind("tool-result-json", 1, stream=False, tools=True),
+       Kind("image-cancel", 1, image=True, cancel=True), Kind("text-cancel", 1, cancel=True))
+
+
+class Load:
+    """The request stream: which kind comes next, its prompt and image, and every result."""
+
+    def __init__(self, client: httpx.AsyncClient, target: Target, seed: int = 0) -> None:
+        self.client, self.target, self.rng = client, target, random.Random(seed)
+        self.images = synthetic_images(256)  # a stock that repeats: some vision-cache hits, mostly misses
+        self.results: list[RequestResult] = []
+        self.sent = 0
+        self.finish: Counter[str] = Counter()  # non-streamed finish reasons
+
+    async def send_next(self) -> None:
+        self.sent += 1
+        rng, kind = self.rng, self.rng.choices(MIX, [k.weight for k in MIX])[0]
+        max_tokens = rng.choice(MAX_TOKENS)
+        extra = {"tools": [WEATHER_TOOL]} if kind.tools else {"ignore_eos": True} if rng.random() < 0.5 else {}
+        target = Target(self.target.base_url, self.target.model, {**self.target.extra_body, **extra})
+        msgs = self._messages(kind, self.sent)
+        if kind.stream:
+            cancel_after = rng.randint(1, 4) if kind.cancel else None
+            result = await stream_chat(self.client, target, msgs, max_tokens, kind.name, cancel_after)
+        else:
+            result = await self._complete(target, msgs, max_tokens, kind.name)
+        self.results.append(result)
+
+    def _messages(self, kind: Kind, n: int) -> list[dict[str, Any]]:
+        if kind.tools:
+            city, unit = self.rng.choice(CITIES), self.rng.choice(UNITS)
+            question = {"role": "user", "content": f"What's the weather in {city} in {unit}?"}
+            if kind.name != "tool-result-json":
+                return [question]
+            call, result = weather_exchange(city, unit, self.rng.randint(-10, 40))
+            for tool_call in call["tool_calls"]:  # OpenAI sends arguments as a JSON string
+                tool_call["function"]["arguments"] = json.dumps(tool_call["function"]["arguments"])
+            return [question, call, result]
+        image = self.images[n % len(self.images)] if kind.image else None
+        return messages(prompt_text(self.rng.randint(4, 60), n), image)
+
+    async def _complete(self, target: Target, msgs: list[dict[str, Any]], max_tokens: int, kind: str) -> RequestResult:
+        """One non-streamed chat completion, timed and checked like ``stream_chat``'s."""
+        result = RequestResult(kind=kind, sent_at=time.perf_counter())
+        body = {"model": target.model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0.0,
+                **target.extra_body}
+        try:
+            response = await self.client.post(f"{target.base_url}/v1/chat/completions", json=body,
+                                              timeout=REQUEST_TIMEOUT_S)
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {response.text[:300]}"
+            else:
+                data = response.json()
+                result.completion_tokens = int(data["usage"]["completion_tokens"])
+                self.finish[data["choices"][0]["finish_reason"]] += 1
+                result.ok = True
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"[:300]
+        result.latency = time.perf_counter() - result.sent_at
+        return result
+
+
+def rss_bytes(pid: int) -> int | None:
+    """The process's resident set size (psutil if installed, else /proc); None once it is gone."""
+    try:
+        if psutil is not None:
+            return int(psutil.Process(pid).memory_info().rss)
+        found = re.search(r"^VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.MULTILINE)
+        return int(found.group(1)) * 1024 if found else None
+    except Exception:  # noqa: BLE001 - OSError, psutil.NoSuchProcess and friends: it is gone
+        return None
+
+
+async def sample(pid: int, every_s: float, t0: float, samples: list[list[float]], done: asyncio.Event,
+                 bar: Progress, load: Load) -> None:
+    """RSS in MiB (the ``_mb`` keys are MiB throughout) every ``every_s`` until ``done``; the bar counts seconds."""
+    shown = 0
+    while not done.is_set() and (rss := rss_bytes(pid)) is not None:
+        elapsed = time.monotonic() - t0
+        samples.append([round(elapsed, 2), round(rss / 2**20, 1)])
+        failed = sum(1 for r in load.results if not r.ok)
+        bar.set_postfix_str(f"rss {samples[-1][1]:.0f} MB, {len(load.results)} req, {failed} failed")
+        bar.update(int(elapsed) - shown)
+        shown = int(elapsed)
+        try:
+            await asyncio.wait_for(done.wait(), every_s)
+        except TimeoutError:
+            pass
+
+
+async def soak(target: Target, pid: int, args: argparse.Namespace) -> tuple[Load, list[list[float]], float]:
+    """``concurrency`` lanes, each sending its next request until the time is up, and the sampler."""
+    limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)) as client:
+        load, samples, done = Load(client, target, args.seed), [], asyncio.Event()
+        start = time.monotonic()
+        deadline = start + args.duration
+
+        async def lane() -> None:
+            while time.monotonic() < deadline and rss_bytes(pid) is not None:
+                await load.send_next()
+
+        with progress(total=int(args.duration), desc="soak", unit="s", file=sys.stderr) as bar:
+            sampler = asyncio.ensure_future(sample(pid, args.sample_every, start, samples, done, bar, load))
+            await asyncio.gather(*(lane() for _ in range(args.concurrency)))
+            done.set()
+            await sampler
+        return load, samples, time.monotonic() - start
+
+
+def rss_summary(samples: list[list[float]], warmup_s: float, window_s: float) -> dict[str, Any]:
+    """Start and end (medians over ``window_s``), peak and growth of the samples after the warm-up."""
+    after = [(t, mb) for t, mb in samples if t >= warmup_s]
+    out: dict[str, Any] = {"warmup_s": warmup_s, "window_s": window_s, "samples_after_warmup": len(after)}
+    if len(after) < 2:
+        return out | {"growth_pct": None}
+    first, last = after[0][0], after[-1][0]
+    start = statistics.median(mb for t, mb in after if t <= first + window_s)
+    end = statistics.median(mb for t, mb in after if t >= last - window_s)
+    peak = max(mb for _, mb in after)
+    return out | {"start_mb": start, "peak_mb": peak, "end_mb": end, "first_mb": after[0][1], "last_mb": after[-1][1],
+                  "growth_pct": round(100 * (end - start) / start, 2),
+                  "peak_over_start_pct": round(100 * (peak - start) / start, 2)}
+
+
+def request_summary(load: Load, wall_s: float) -> dict[str, Any]:
+    results = load.results
+    statuses = Counter(int(m.group(1)) for r in results if (m := re.match(r"HTTP (\d{3}):", r.error or "")))
+    by_kind = {k.name: {"sent": sum(r.kind == k.name for r in results),
+                        "ok": sum(r.ok and r.kind == k.name for r in results)} for k in MIX}
+    streams = [r for r in results if r.kind.endswith("-stream")]
+    return {"sent": len(results), "completed": sum(r.ok for r in results), "failed": sum(not r.ok for r in results),
+            "cancelled": sum(r.ok and r.kind.endswith("-cancel") for r in results),
+            "http_5xx": sum(n for code, n in statuses.items() if code >= 500), "http_status_errors": dict(statuses),
+            "completion_tokens": sum(r.completion_tokens for r in results if r.ok),
+            "errors": sorted({r.error for r in results if r.error})[:5], "by_kind": by_kind,
+            "finish_reasons_json": dict(load.finish),
+            "streams": {k: v for k, v in summarize(streams, wall_s).items() if k != "ttfts_ms"}}
+
+
+def verdict(report: dict[str, Any], server_alive: bool) -> list[str]:
+    """Why the run failed; empty when it passed."""
+    requests, growth = report["requests"], report["rss"]["growth_pct"]
+    reasons = [] if server_alive else ["the server died"]
+    reasons += [f"{requests['http_5xx']} requests got a 5xx"] if requests["http_5xx"] else []
+    reasons += [f"{requests['failed']} requests failed"] if requests["failed"] else []
+    reasons += ["no request completed"] if not requests["completed"] else []
+    if growth is None:
+        reasons.append("too few RSS samples after the warm-up")
+    elif growth >= GROWTH_LIMIT_PCT:
+        reasons.append(f"RSS grew {growth}% after the warm-up (limit {GROWTH_LIMIT_PCT}%)")
+    return reasons
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rss, times = report["rss"], [t for t, _ in report["rss"]["samples"]]
+    fig, ax = plt.subplots(figsize=(6.5, 3.6), dpi=90)
+    ax.plot(times, [mb for _, mb in rss["samples"]], lw=1.2, label="server RSS")
+    ax.axvspan(0, rss["warmup_s"], color="0.9", label="warm-up")
+    if rss.get("start_mb"):
+        ax.axhline(rss["start_mb"], color="0.5", ls="--", lw=0.8, label="start (after warm-up)")
+        ax.axhline(rss["start_mb"] * (1 + GROWTH_LIMIT_PCT / 100), color="tab:red", ls=":", lw=0.8, label="+10% limit")
+    c = report["config"]
+    ax.set(xlabel="seconds", ylabel="RSS (MiB)", title=f"soak: concurrency {c['concurrency']}, growth {rss['growth_pct']}%")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, int, float]:
+    port = free_port()
+    argv = [sys.executable, "-m", "vlmserve.cli", "serve", "--port", str(port), "--max-batch-size", str(args.max_batch)]
+    argv += ["--model", args.model] if args.model else []
+    env = dict(os.environ, PYTHONUNBUFFERED="1") | ({"VLMSERVE_NO_OPENBLAS": "1"} if args.no_openblas else {})
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE.parent)
+    if (problem := wait_ready(proc, f"http://127.0.0.1:{port}/ready")) is not None:
+        stop(proc)
+        raise SystemExit(f"soak: the server {problem}; see {log_path}")
+    return proc, port, time.perf_counter() - started
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    args.out.mkdir(parents=True, exist_ok=True)
+    proc, port, ready_s = start_server(args, args.out / "soak-server.log")
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        idle_rss = rss_bytes(proc.pid)
+        load, samples, wall_s = asyncio.run(soak(Target(base_url, model), proc.pid, args))
+        alive = proc.poll() is None
+    finally:
+        stop(proc)
+    warmup = args.warmup if args.warmup is not None else 0.1 * args.duration
+    window = max(3 * args.sample_every, 0.05 * args.duration)
+    machine = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(), "platform": platform.platform(),
+               "python": platform.python_version(), "loadavg_1m_at_end": round(os.getloadavg()[0], 2)}
+    report = {"machine": machine, "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "server": {"model": model, "pid": proc.pid, "ready_s": round(ready_s, 1), "exit_status": proc.returncode,
+                         "idle_rss_mb": round(idle_rss / 2**20, 1) if idle_rss else None},
+              "wall_s": round(wall_s, 1), "requests": request_summary(load, wall_s),
+              "rss": {"source": "psutil" if psutil else "/proc/PID/status VmRSS", **rss_summary(samples, warmup, window),
+                      "samples": samples}}
+    report["failures"] = verdict(report, alive)
+    report["passed"] = not report["failures"]
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    parser.add_argument("--warmup", type=float, default=None, help="seconds before RSS counts (default: 10%% of it)")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--sample-every", type=float, default=5.0, help="seconds between RSS samples")
+    parser.add_argument("--model", default=None, help="a model directory (default: the built-in demo)")
+    parser.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch-size")
+    parser.add_argument("--no-openblas", action="store_true", help="set VLMSERVE_NO_OPENBLAS=1 for the server")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "soak")
+    parser.add_argument("--no-plot", action="store_true", help="skip soak.png (matplotlib is in the bench extra)")
+    args = parser.parse_args(argv)
+    report = run(args)
+    (args.out / "soak.json").write_text(json.dumps(report, indent=1))
+    if not args.no_plot:
+        plot(report, args.out / "soak.png")
+    rss, req = report["rss"], report["requests"]
+    print(f"RSS after warm-up: start {rss.get('start_mb')} MiB, peak {rss.get('peak_mb')} MiB, "
+          f"end {rss.get('end_mb')} MiB, growth {rss['growth_pct']}%; {req['completed']}/{req['sent']} requests completed, {req['http_5xx']} 5xx")
+    print("PASSED" if report["passed"] else "FAILED: " + "; ".join(report["failures"]), f"- results in {args.out}")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

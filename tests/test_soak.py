@@ -1,0 +1,61 @@
+"""benchmarks/soak.py: its RSS arithmetic and verdict by hand, then a short soak against the real server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import soak  # noqa: E402 - lives in benchmarks/, which is not a package
+
+from vlmserve.config import DEFAULT_MODEL_NAME  # noqa: E402
+
+SAMPLES = [[0.0, 100.0], [1.0, 150.0], [2.0, 100.0], [3.0, 101.0], [4.0, 130.0], [5.0, 110.0], [6.0, 111.0]]
+
+
+def test_rss_summary_compares_medians_after_the_warm_up() -> None:
+    rss = soak.rss_summary(SAMPLES, warmup_s=2.0, window_s=1.0)
+    assert (rss["start_mb"], rss["end_mb"], rss["peak_mb"]) == (100.5, 110.5, 130.0)  # the 150 is in the warm-up
+    assert rss["growth_pct"] == 9.95 and rss["peak_over_start_pct"] == 29.35
+    assert rss["samples_after_warmup"] == 5
+    assert soak.rss_summary(SAMPLES, warmup_s=6.0, window_s=1.0)["growth_pct"] is None
+
+
+def _report(growth: float | None, **requests: int) -> dict:
+    counts = {"http_5xx": 0, "failed": 0, "completed": 10} | requests
+    return {"requests": counts, "rss": {"growth_pct": growth}}
+
+
+@pytest.mark.parametrize("report, alive, says", [
+    (_report(9.99), True, []),
+    (_report(10.0), True, ["RSS grew 10.0% after the warm-up (limit 10.0%)"]),
+    (_report(1.0, http_5xx=2, failed=2), True, ["2 requests got a 5xx", "2 requests failed"]),
+    (_report(None, completed=0), False, ["the server died", "no request completed",
+                                         "too few RSS samples after the warm-up"]),
+])  # fmt: skip
+def test_verdict(report: dict, alive: bool, says: list[str]) -> None:
+    assert soak.verdict(report, alive) == says
+
+
+def test_short_soak_against_the_demo_server(tmp_path: Path) -> None:
+    argv = [sys.executable, str(BENCHMARKS / "soak.py"), "--duration", "20", "--warmup", "5", "--sample-every", "1",
+            "--no-plot", "--no-openblas", "--out", str(tmp_path)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert done.returncode == (0 if report["passed"] else 1), done.stdout + done.stderr
+    assert "\r" not in done.stderr and "soak: done" in done.stderr  # progress as lines into a pipe
+    requests, rss = report["requests"], report["rss"]
+    assert requests["http_5xx"] == 0 and requests["failed"] == 0, requests["errors"]
+    assert requests["completed"] > 0 and requests["completion_tokens"] > 0
+    assert all(kind["ok"] > 0 for kind in requests["by_kind"].values()), requests["by_kind"]
+    assert requests["cancelled"] > 0 and requests["finish_reasons_json"].get("tool_calls", 0) > 0
+    assert len(rss["samples"]) >= 5 and rss["samples_after_warmup"] >= 2
+    assert all(mb > 0 for _, mb in rss["samples"])
+    assert rss["peak_mb"] >= max(rss["start_mb"], rss["end_mb"]) and isinstance(rss["growth_pct"], float)
+    assert report["server"]["model"] == DEFAULT_MODEL_NAME and not (tmp_path / "soak.png").exists()
