@@ -43,12 +43,13 @@ class ServerProcess:
         return self.proc.wait(timeout)
 
 
-def start_server(args: list[str], log_path: Path, wait_ready: bool = True, timeout: float = 120) -> ServerProcess:
+def start_server(args: list[str], log_path: Path, wait_ready: bool = True, timeout: float = 120,
+                 env: dict[str, str] | None = None) -> ServerProcess:
     port = free_port()
     log = open(log_path, "w")
     cmd = [sys.executable, "-m", "vlmserve.cli", "--log-level", "info", "serve", "--port", str(port), *args]
     # The BLAS (and with it --dtype auto) must not depend on what the machine has installed.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLMSERVE_NO_OPENBLAS": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLMSERVE_NO_OPENBLAS": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(proc, port, log_path)
     if wait_ready:

@@ -62,3 +62,40 @@ def test_bad_images_exit_2_with_one_line(images, name, says):
 def test_a_model_that_cannot_load_exits_2(images, tmp_path):
     result = _caption(str(images / "red.png"), "--model", str(tmp_path / "no" / "model"))
     assert result.returncode == 2 and "cannot load model" in result.stderr and "Traceback" not in result.stderr
+
+
+def _vlmserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vlmserve.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_version():
+    from vlmserve import __version__
+
+    out = _vlmserve("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"vlmserve {__version__}"
+
+
+@pytest.mark.parametrize("command", ["caption", "serve", "build-model", "train-demo", "eval-demo"])
+def test_every_option_shows_its_default_and_its_choices(command):
+    from vlmserve.cli import _parser
+
+    parser = _parser()
+    sub = next(a for a in parser._actions if a.choices and command in a.choices).choices[command]
+    text = _vlmserve(command, "--help").stdout
+    for action in sub._actions:
+        if not action.option_strings or action.help == "show this help message and exit":
+            continue
+        shown = " ".join(action.help.split())
+        if action.default not in (None, False, [], "==SUPPRESS=="):
+            assert "default" in shown.lower() or f"(default: {action.default})" in " ".join(text.split()), action.dest
+        if action.choices:
+            assert "{" + ",".join(map(str, action.choices)) + "}" in text, action.dest
+    assert "--log-level" in text  # accepted after the command as well as before it
+
+
+def test_log_level_works_after_the_command(tmp_path):
+    before = _vlmserve("--log-level", "debug", "build-model", "--arch", "nope")
+    after = _vlmserve("build-model", "--arch", "nope", "--log-level", "debug")
+    assert before.returncode == after.returncode == 2 and "invalid choice: 'nope'" in after.stderr
+    ok = _vlmserve("build-model", "--log-level", "error", "--out", str(tmp_path / "m"), "--size", "micro")
+    assert ok.returncode == 0, ok.stderr

@@ -139,3 +139,41 @@ def test_ignore_eos_and_context_limit():
     assert r.append_token(2) is None
     r.max_context = 4
     assert r.append_token(3) is RequestStatus.FINISHED_LENGTH
+
+
+def test_the_kv_budget_bounds_rows_times_the_longest_need_and_keeps_order():
+    from vlmserve.engine.memory import KVBudget, KVFootprint
+
+    # 10 bytes per position; a batch costs rows x the longest need (prompt + max_tokens).
+    budget = KVBudget(300, KVFootprint(per_position=10))
+    small, big, after = _req("small", 5, 5), _req("big", 10, 10), _req("after", 2, 3)
+    s = Scheduler(SchedulerConfig(max_batch_size=8), budget)
+    for r in (small, big, after):
+        s.add(r)
+    assert s.admit() == [small]  # small + big would be 2 x 20 positions x 10 B = 400 > 300
+    assert s.kv_reserved_bytes == 100
+    assert s.admit() == []  # "after" would fit, but nobody overtakes the head of the queue
+    s.finish(small, RequestStatus.FINISHED_LENGTH)
+    assert s.admit() == [big]  # big + after: 2 rows x 20 positions (the longest) x 10 B = 400 > 300
+    assert s.kv_reserved_bytes == 200
+    s.finish(big, RequestStatus.FINISHED_STOPPED)
+    assert s.admit() == [after] and s.kv_reserved_bytes == 50
+
+
+def test_one_request_is_always_admitted_whatever_the_budget():
+    """The API refuses a request that could never fit; the scheduler never deadlocks on one."""
+    from vlmserve.engine.memory import KVBudget, KVFootprint
+
+    s = Scheduler(SchedulerConfig(max_batch_size=8), KVBudget(1, KVFootprint(per_position=10)))
+    s.add(_req("r", 10, 10))
+    assert [r.request_id for r in s.admit()] == ["r"]
+
+
+def test_a_footprint_counts_windows_and_fixed_state():
+    from vlmserve.engine.memory import KVBudget, KVFootprint
+
+    f = KVFootprint(per_position=4, windows=((2, 100),), fixed=1000)
+    assert f.row_bytes(50) == 4 * 50 + 2 * 50 + 1000
+    assert f.row_bytes(500) == 4 * 500 + 2 * 100 + 1000
+    assert KVBudget(10_000, f).refusal(3000) is not None and KVBudget(10_000, f).refusal(10) is None
+    assert KVBudget(None, f).refusal(10**9) is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import queue
 import sys
 from concurrent.futures import Future
@@ -28,58 +29,98 @@ def main(argv: list[str] | None = None) -> int:
         from vlmserve.blas import reexec_with_openblas
 
         reexec_with_openblas(sys.argv[1:])  # returns only when it does not restart
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    args.log_level = args.log_level or ("info" if args.func is _serve_command else "warning")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=LOG_FORMAT)
     return args.func(args)
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless the text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlmserve", description="Serve vision-language models on MLX.")
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    from vlmserve import __version__
+
+    parser = argparse.ArgumentParser(prog="vlmserve", description="Serve vision-language models on MLX.",
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"vlmserve {__version__}")
+    parser.add_argument("--log-level", default=None, choices=LOG_LEVELS,
+                        help="log verbosity (default: info for serve, warning otherwise)")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     cap = sub.add_parser("caption", help="caption one image and print the text as it is generated")
-    cap.add_argument("image", type=Path)
-    cap.add_argument("--model", default=None, help="local directory or Hub id (default: built-in model)")
-    cap.add_argument("--prompt", default=DEFAULT_PROMPT)
-    cap.add_argument("--max-tokens", type=int, default=64)
-    cap.add_argument("--temperature", type=float, default=0.0)
-    cap.add_argument("--seed", type=int, default=None)
+    cap.add_argument("image", type=Path, help="an image file (PNG, JPEG, WebP...)")
+    cap.add_argument("--model", default=None, help="local directory or Hub id (default: the built-in demo model)")
+    cap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the instruction sent with the image")
+    cap.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    cap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    cap.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     cap.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES, help=DTYPE_HELP)
     cap.set_defaults(func=_caption_command, wants_openblas=True)
 
-    srv = sub.add_parser("serve", help="serve an OpenAI-compatible API")
-    srv.add_argument("--model", action="append", default=[], help="local directory or Hub id; repeat to serve several")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
-    srv.add_argument("--max-batch-size", type=int, default=8)
-    srv.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond the batch before 429")
-    srv.add_argument("--allowed-media-dir", action="append", type=Path, default=[], help="local images may come from here")
-    srv.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs")
-    srv.add_argument("--tool-parser", default=None, choices=TOOL_PARSERS,
-                     help="the tool-call format (default: the chat template's, else the model family's)")
-    srv.add_argument("--no-prefix-cache", action="store_true")
-    srv.add_argument("--default-max-tokens", type=int, default=512)
-    srv.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
-    srv.add_argument("--max-request-mb", type=float, default=64.0, help="larger request bodies get 413")
-    srv.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES, help=DTYPE_HELP)
-    srv.set_defaults(func=_serve_command, wants_openblas=True)
+    _serve_parser(sub.add_parser("serve", help="serve an OpenAI-compatible API"))
 
     build = sub.add_parser("build-model", help="build a small offline model (random weights) in HF layout")
     build.add_argument("--arch", default="gemma4", choices=ARCHS, help="an mlx-vlm model_type")
-    build.add_argument("--size", default="micro", choices=SIZES)
+    build.add_argument("--size", default="micro", choices=SIZES, help="the model's size")
     build.add_argument("--out", type=Path, default=None, help="directory (default: the shared model cache)")
-    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--seed", type=int, default=0, help="random weights' seed")
     build.add_argument("--ignore-eos", action="store_true", help="the model never emits EOS (benchmarks)")
-    build.add_argument("--quant-bits", type=int, default=0, choices=(0, 4, 8), help="quantize as mlx_vlm.convert -q")
+    build.add_argument("--quant-bits", type=int, default=0, choices=(0, 4, 8), help="quantize as mlx_vlm.convert -q (0: no)")
     build.add_argument("--tools", action="store_true", help="tune it to answer one tool round trip")
-    build.add_argument("--force", action="store_true")
+    build.add_argument("--force", action="store_true", help="rebuild even when the model exists")
     build.set_defaults(func=_build_command)
 
     from vlmserve.testing.demo import add_cli
 
     add_cli(sub)  # train-demo, eval-demo
+    for command in sub.choices.values():  # the same formatter, and --log-level after the command too
+        command.formatter_class = _HelpFormatter
+        command.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help="log verbosity")
     return parser
+
+
+def _serve_parser(srv: argparse.ArgumentParser) -> None:
+    srv.add_argument("--model", action="append", default=[],
+                     help="local directory or Hub id; repeat to serve several (default: the built-in demo model)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
+    srv.add_argument("--api-key", default=os.environ.get("VLMSERVE_API_KEY") or None,
+                     help="require Authorization: Bearer KEY (default: $VLMSERVE_API_KEY, else no key)")
+    srv.add_argument("--cors-origin", action="append", default=[],
+                     help="allow browser requests from this origin, e.g. http://localhost:3000; repeat for several "
+                          "or * for any (default: none)")
+    srv.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
+    srv.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond the batch before 429")
+    srv.add_argument("--kv-cache-gb", type=float, default=None,
+                     help="KV-cache memory for running requests; a request that could never fit gets 400, others "
+                          "wait (default: 80%% of Metal's recommended working set, else half the RAM, less the weights)")
+    srv.add_argument("--allowed-media-dir", action="append", type=Path, default=[], help="local images may come from here")
+    srv.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs (public addresses only)")
+    srv.add_argument("--allowed-media-domains", nargs="+", action="extend", default=[], metavar="DOMAIN",
+                     help="with --allow-remote-images: only these hosts (and their subdomains), which may then be private")
+    srv.add_argument("--tool-parser", default=None, choices=TOOL_PARSERS,
+                     help="the tool-call format (default: the chat template's, else the model family's)")
+    srv.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache for text prompts off")
+    srv.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens when a request gives none")
+    srv.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens (default: the model's)")
+    srv.add_argument("--max-request-mb", type=float, default=64.0, help="larger request bodies get 413")
+    srv.add_argument("--shutdown-timeout", type=float, default=5.0,
+                     help="seconds running requests get to finish after SIGTERM before they end with an error")
+    srv.add_argument("--stream-stall-timeout", type=float, default=30.0,
+                     help="seconds a client may read nothing while tokens wait before its request is aborted")
+    srv.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES, help=DTYPE_HELP)
+    srv.set_defaults(func=_serve_command, wants_openblas=True)
 
 
 def _serve_command(args: argparse.Namespace) -> int:
@@ -87,14 +128,22 @@ def _serve_command(args: argparse.Namespace) -> int:
 
     if args.max_batch_size < 1 or args.max_queue < 0:
         return usage_error("--max-batch-size must be >= 1 and --max-queue >= 0")
+    if args.shutdown_timeout < 0 or args.stream_stall_timeout <= 0 or (args.kv_cache_gb or 1) <= 0:
+        return usage_error("--shutdown-timeout must be >= 0, --stream-stall-timeout and --kv-cache-gb > 0")
     for directory in args.allowed_media_dir:
         if not directory.is_dir():
             return usage_error(f"--allowed-media-dir {directory}: not a directory")
     config = ServeConfig(
-        tuple(args.model), args.host, args.port, args.api_key, args.max_batch_size, args.max_queue,
-        tuple(args.allowed_media_dir), args.allow_remote_images, args.tool_parser, not args.no_prefix_cache,
-        args.default_max_tokens, args.max_model_len, int(args.max_request_mb * 1024 * 1024), args.log_level,
-        args.dtype,
+        models=tuple(args.model), host=args.host, port=args.port, api_key=args.api_key,
+        max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+        allowed_media_dirs=tuple(args.allowed_media_dir), allow_remote_images=args.allow_remote_images,
+        allowed_media_domains=tuple(d.lower().rstrip(".") for d in args.allowed_media_domains),
+        tool_parser=args.tool_parser, prefix_cache=not args.no_prefix_cache,
+        default_max_tokens=args.default_max_tokens, max_model_len=args.max_model_len,
+        max_request_bytes=int(args.max_request_mb * 1024 * 1024), log_level=args.log_level, dtype=args.dtype,
+        kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
+        shutdown_timeout=args.shutdown_timeout, stall_timeout_s=args.stream_stall_timeout,
+        cors_origins=tuple(args.cors_origin),
     )
     return serve(config)
 
@@ -195,14 +244,14 @@ def _generate_into(worker: Any, loaded: Any, prompt: Any, params: Any, out: queu
 
 
 def _wait_with_spinner(future: Future, label: str) -> Any:
-    from tqdm import tqdm
+    from vlmserve.progress import progress
 
-    with tqdm(desc=label, bar_format="{desc} {elapsed}", file=sys.stderr, leave=False) as bar:
+    with progress(desc=label, file=sys.stderr, bar_format="{desc} {elapsed}", leave=False) as bar:
         while True:
             try:
                 return future.result(timeout=0.1)
             except TimeoutError:
-                bar.refresh()  # redraws the elapsed time
+                bar.refresh()  # redraws the elapsed time; off a terminal, a line now and then
 
 
 if __name__ == "__main__":

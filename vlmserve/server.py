@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 
 import uvicorn
 
+from vlmserve import __version__
 from vlmserve.api.app import create_app, stop_engines
 from vlmserve.api.state import ServedModel, ServerState, aliases_for
 from vlmserve.config import DEFAULT_DTYPE, resolve_model
@@ -20,6 +23,7 @@ from vlmserve.frontend.async_engine import AsyncEngine
 from vlmserve.preprocess.media import MediaPolicy
 
 log = logging.getLogger(__name__)
+SEND_BUFFER = 64 * 1024  # bytes the kernel buffers per connection toward a client
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,6 +36,7 @@ class ServeConfig:
     max_queue: int = 64
     allowed_media_dirs: tuple[Path, ...] = ()
     allow_remote_images: bool = False
+    allowed_media_domains: tuple[str, ...] = ()
     tool_parser: str | None = None
     prefix_cache: bool = True
     default_max_tokens: int = 512
@@ -39,33 +44,63 @@ class ServeConfig:
     max_request_bytes: int = 64 * 1024 * 1024
     log_level: str = "info"
     dtype: str = DEFAULT_DTYPE
+    shutdown_timeout: float = 5.0
+    kv_cache_bytes: int | None = None
+    stall_timeout_s: float = 30.0
+    cors_origins: tuple[str, ...] = ()
 
 
 def build_state(config: ServeConfig) -> ServerState:
     pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="preprocess")
     engine_config = EngineConfig(max_batch_size=config.max_batch_size, max_queue=config.max_queue,
                                  prefix_cache=config.prefix_cache, max_model_len=config.max_model_len,
-                                 dtype=config.dtype)
+                                 dtype=config.dtype, kv_cache_bytes=config.kv_cache_bytes,
+                                 stall_timeout_s=config.stall_timeout_s)
     served = []
     for spec in config.models or (None,):
         path, name = resolve_model(spec)
         engine = AsyncEngine(path, name, engine_config, pool)
         served.append(ServedModel(name, engine, aliases_for(path) if spec else ("default",), config.tool_parser))
-    media = MediaPolicy(allowed_dirs=config.allowed_media_dirs, allow_remote=config.allow_remote_images)
-    return ServerState(served, media, config.api_key, config.default_max_tokens, config.max_request_bytes)
+    media = MediaPolicy(allowed_dirs=config.allowed_media_dirs, allow_remote=config.allow_remote_images,
+                        allowed_domains=config.allowed_media_domains)
+    return ServerState(served, media, config.api_key, config.default_max_tokens, config.max_request_bytes,
+                       cors_origins=config.cors_origins)
 
 
 class _Server(uvicorn.Server):
-    """On SIGINT/SIGTERM, end in-flight streams with an error at once instead of waiting them out."""
+    """On SIGINT/SIGTERM: stop admitting, give running requests ``shutdown_timeout`` seconds to
+    finish, then end the rest with an error event and exit. A second signal stops at once."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.state = state
+        self.shutdown_timeout = shutdown_timeout
         self.fatal: str | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.state.draining or self.fatal:
+            self._exit(sig, frame)  # the second signal: uvicorn forces its exit
+            asyncio.get_event_loop().create_task(stop_engines(self.state, "server is shutting down"))
+            return
+        self.state.draining = True
+        in_flight = sum(m.engine.num_in_flight for m in self.state.models)
+        log.info("signal %d: draining %d request(s) for at most %.1f s", sig, in_flight, self.shutdown_timeout)
+        asyncio.get_event_loop().create_task(self._drain(sig, frame))
+
+    async def _drain(self, sig: int, frame: Any) -> None:
+        start = time.monotonic()
+        while time.monotonic() - start < self.shutdown_timeout:
+            if all(m.engine.num_in_flight == 0 for m in self.state.models):
+                break
+            await asyncio.sleep(0.05)
+        left = sum(m.engine.num_in_flight for m in self.state.models)
+        log.info("drained in %.2f s; ending %d request(s) still running", time.monotonic() - start, left)
+        await stop_engines(self.state, "server is shutting down")
+        self._exit(sig, frame)
+
+    def _exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)
-        asyncio.get_event_loop().create_task(stop_engines(self.state, "server is shutting down"))
+        self._captured_signals.clear()  # a drained shutdown exits 0; uvicorn would re-raise the signal
 
     def fail(self, message: str) -> None:
         self.fatal = message
@@ -82,10 +117,18 @@ def serve(config: ServeConfig) -> int:
     holder: list[_Server] = []
     app = create_app(state, on_fatal=lambda message: holder[0].fail(message))
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                               timeout_graceful_shutdown=5, access_log=False)
-    server = _Server(uv_config, state)
+                               timeout_graceful_shutdown=5, access_log=False,
+                               log_config=None)  # uvicorn logs through ours: timestamps, one format
+    server = _Server(uv_config, state, config.shutdown_timeout)
     holder.append(server)
-    server.run()
+    log.info("vlmserve %s serving %s on http://%s:%d", __version__, ", ".join(m.name for m in state.models),
+             config.host, config.port)
+    sock = uv_config.bind_socket()
+    # Accepted connections inherit this: a client that stops reading blocks the server's writes
+    # after ~SEND_BUFFER bytes instead of the megabytes the kernel would buffer on its own, so its
+    # request is aborted after --stream-stall-timeout, not after minutes (AsyncEngine._abort_stalled).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+    server.run(sockets=[sock])
     if server.fatal:
         print(f"vlmserve: error: {server.fatal}", file=sys.stderr)
         return 1

@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from vlmserve.api.chat import create_chat_completion
-from vlmserve.api.errors import APIError, install_error_handlers
+from vlmserve.api.errors import APIError, install_error_handlers, log_rejection
 from vlmserve.api.schemas import ChatCompletionRequest
 from vlmserve.api.state import ServerState
 
@@ -35,8 +36,11 @@ def create_app(state: ServerState, on_fatal: Callable[[str], None] | None = None
 
     app = FastAPI(title="vlmserve", lifespan=lifespan)
     app.state.vlmserve = state
-    install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes)
+    install_error_handlers(app, state.metrics)
+    app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes, on_reject=state.metrics.rejected)
+    if state.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     _routes(app, state)
     return app
 
@@ -109,15 +113,15 @@ class BodyLimit:
     """413 for bodies over the limit, by Content-Length or by counting a chunked upload; 400 for a
     body that is not UTF-8 (JSON text must be, and UTF-16 or UTF-32 always has a NUL byte)."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, on_reject: Callable[[int, str | None], None] | None = None) -> None:
+        self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._too_large().response()(scope, receive, send)
+            return await self._reject(self._too_large(), scope, receive, send)
         received, rejected = 0, False
 
         async def checking_receive() -> dict[str, Any]:
@@ -128,7 +132,7 @@ class BodyLimit:
             error = self._too_large() if received > self.max_bytes else _not_utf8() if b"\x00" in body else None
             if error is not None and not rejected:
                 rejected = True
-                await error.response()(scope, receive, send)
+                await self._reject(error, scope, receive, send)
                 return {"type": "http.disconnect"}  # the app stops reading; what it sends is dropped
             return message
 
@@ -137,6 +141,12 @@ class BodyLimit:
                 await send(message)
 
         await self.app(scope, checking_receive, guarded_send)
+
+    async def _reject(self, error: APIError, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self.on_reject is not None:
+            self.on_reject(error.status, error.code)
+        log_rejection(scope.get("method", "-"), scope.get("path", "-"), error)
+        await error.response()(scope, receive, send)
 
     def _too_large(self) -> APIError:
         return APIError(413, f"request body is over the {self.max_bytes}-byte limit", "invalid_request_error",

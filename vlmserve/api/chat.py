@@ -21,7 +21,12 @@ from vlmserve.api.openai_format import ChoiceBuilder
 from vlmserve.api.schemas import ChatCompletionRequest
 from vlmserve.api.state import ServedModel, ServerState
 from vlmserve.engine.params import PromptInputs
-from vlmserve.frontend.async_engine import EngineNotReadyError, EngineOverloadedError, PromptTooLongError
+from vlmserve.frontend.async_engine import (
+    EngineNotReadyError,
+    EngineOverloadedError,
+    OverBudgetError,
+    PromptTooLongError,
+)
 from vlmserve.frontend.output import RequestOutput
 from vlmserve.preprocess.images import ImageError
 from vlmserve.preprocess.media import MediaPolicy, load_image_source
@@ -51,21 +56,32 @@ class _Call:
     start: float
     ttft: float | None = None
     finish: str = "error"
+    last_token: float = 0.0
 
     def observe(self, out: RequestOutput) -> None:
-        if self.ttft is None and out.token_ids:
-            self.ttft = time.perf_counter() - self.start
+        if not out.token_ids:
+            return
+        now = time.perf_counter()
+        if self.ttft is None:
+            self.ttft = now - self.start
+        else:
+            self.state.metrics.tokens_arrived(self.served.name, now - self.last_token, len(out.token_ids))
+        self.last_token = now
 
-    def done(self, status: str) -> None:
+    def done(self, status: str, detail: str = "") -> None:
         latency = time.perf_counter() - self.start
         usage = self.builder.usage
         self.state.metrics.finished(self.served.name, status, self.ttft, latency, usage)
         ttft = f"{self.ttft:.3f}s" if self.ttft is not None else "-"
-        log.info("%s model=%s prompt=%s completion=%s ttft=%s total=%.3fs finish=%s", self.builder.id,
-                 self.served.name, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), ttft, latency, status)
+        log.info("%s model=%s prompt=%s completion=%s ttft=%s total=%.3fs finish=%s%s", self.builder.id,
+                 self.served.name, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), ttft, latency,
+                 status, detail)
 
 
 async def create_chat_completion(req: ChatCompletionRequest, http: Request, state: ServerState) -> Any:
+    if state.draining:
+        raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
+                       None, "shutting_down")
     served = state.model(req.model)
     chat = to_chat_input(req, state.media.max_images)
     params = to_sampling_params(req, state.default_max_tokens)
@@ -96,6 +112,8 @@ async def _first_output(stream: AsyncIterator[RequestOutput], call: _Call) -> Re
         raise _failed(call, bad_request(str(exc), "messages", code)) from None
     except PromptTooLongError as exc:
         raise _failed(call, bad_request(str(exc), "messages", "context_length_exceeded")) from None
+    except OverBudgetError as exc:
+        raise _failed(call, bad_request(str(exc), "max_tokens", "kv_budget_exceeded")) from None
     except EngineOverloadedError as exc:
         raise _failed(call, APIError(429, str(exc), "rate_limit_error", None, "overloaded")) from None
     except EngineNotReadyError as exc:
@@ -107,7 +125,8 @@ async def _first_output(stream: AsyncIterator[RequestOutput], call: _Call) -> Re
 
 
 def _failed(call: _Call, error: APIError) -> APIError:
-    call.done(f"error_{error.status}")
+    call.done(f"error_{error.status}", f" code={error.code or '-'}: {error.message[:200]}")
+    error.logged = True  # the request's own line says it; the error handler need not
     return error
 
 

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
+requests_log = logging.getLogger("vlmserve.requests")  # one line per request, served or not
 FASTAPI_PARSE_FAILURE = "There was an error parsing the body"  # what FastAPI says when json.loads recurses too deep
 
 
@@ -21,6 +22,7 @@ class APIError(Exception):
                  param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.logged = False
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -48,24 +50,38 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return bad_request(message, param, "invalid_value")
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, metrics: Any = None) -> None:
+    """Every error becomes OpenAI's shape; each is counted (``metrics.rejected``) and logged once."""
+
+    def answer(request: Request, error: APIError) -> JSONResponse:
+        if metrics is not None:
+            metrics.rejected(error.status, error.code)
+        if not error.logged:
+            log_rejection(request.method, request.url.path, error)
+        return error.response()
+
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return answer(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == FASTAPI_PARSE_FAILURE:  # json.loads raised, not a syntax error
-            return bad_request("request body could not be parsed as JSON: it nests too deep", None,
-                               "json_too_deep").response()
+            return answer(request, bad_request("request body could not be parsed as JSON: it nests too deep", None,
+                                               "json_too_deep"))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), kind).response()
+        return answer(request, APIError(exc.status_code, str(exc.detail), kind))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
+        return answer(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+
+def log_rejection(method: str, path: str, error: APIError) -> None:
+    requests_log.info("rejected %s %s status=%d code=%s: %s", method, path, error.status, error.code or "-",
+                      error.message[:200])

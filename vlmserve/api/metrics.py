@@ -1,14 +1,49 @@
-"""[loop] Prometheus metrics: requests by status, TTFT and latency, tokens, queue depth, batch, steps."""
+"""[loop] Prometheus metrics: ours (``vlmserve_*``) and, for dashboards built for vLLM, its names
+(``vllm:*``, labelled ``model_name``) for the same quantities."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+disable_created_metrics()  # no ``*_created`` series: dashboards never read them
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+# key: (our name, vLLM's name or None, help); read from each engine at scrape time
+_GAUGES = {
+    "waiting": ("vlmserve_queue_depth", "vllm:num_requests_waiting", "Requests waiting for a batch slot"),
+    "running": ("vlmserve_running_requests", "vllm:num_requests_running", "Requests admitted to the batch"),
+    "batch_size": ("vlmserve_batch_size", None, "Rows in the decode batch"),
+    "last_step_s": ("vlmserve_step_seconds", None, "Duration of the last engine step"),
+    "in_flight": ("vlmserve_requests_in_flight", None, "Requests accepted and not finished"),
+    "kv_reserved": ("vlmserve_kv_cache_reserved_bytes", None, "KV-cache bytes the running requests may fill"),
+    "kv_budget": ("vlmserve_kv_cache_budget_bytes", None, "The KV-cache budget admission keeps to"),
+    "kv_usage": ("vlmserve_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "Reserved KV cache over the budget (0-1)"),
+}
+_COUNTERS = {
+    "prefix_hits": ("vlmserve_prefix_cache_hits", "Text prompts that reused a cached prefix"),
+    "prefix_misses": ("vlmserve_prefix_cache_misses", "Text prompts that found no cached prefix"),
+    "prefix_hit_tokens": ("vlmserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
+    "stalled": ("vlmserve_stalled_requests", "Requests aborted because their client stopped reading"),
+}
+
+
+def _engine_values(engine: Any) -> tuple[dict[str, float], dict[str, float]] | None:
+    m = engine.metrics
+    if m is None:
+        return None
+    budget = m.kv_budget_bytes or 0
+    gauges = {"waiting": m.waiting, "running": m.running, "batch_size": m.batch_size, "last_step_s": m.last_step_s,
+              "in_flight": engine.num_in_flight, "kv_reserved": m.kv_reserved_bytes, "kv_budget": budget,
+              "kv_usage": m.kv_reserved_bytes / budget if budget else 0.0}
+    prefix = m.prefix
+    counters = {"prefix_hits": prefix.hits if prefix else 0, "prefix_misses": prefix.misses if prefix else 0,
+                "prefix_hit_tokens": prefix.hit_tokens if prefix else 0, "stalled": engine.stalled}
+    return gauges, counters
 
 
 class _EngineCollector:
@@ -17,49 +52,82 @@ class _EngineCollector:
     def __init__(self, engines: Callable[[], list[tuple[str, Any]]]) -> None:
         self._engines = engines
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        families = {
-            "queue_depth": ("vlmserve_queue_depth", "Requests waiting for a batch slot"),
-            "running": ("vlmserve_running_requests", "Requests admitted to the batch"),
-            "batch_size": ("vlmserve_batch_size", "Rows in the decode batch"),
-            "last_step_s": ("vlmserve_step_seconds", "Duration of the last engine step"),
-            "in_flight": ("vlmserve_requests_in_flight", "Requests accepted and not finished"),
-        }
-        gauges = {k: GaugeMetricFamily(n, h, labels=["model"]) for k, (n, h) in families.items()}
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        ours = {k: GaugeMetricFamily(n, h, labels=["model"]) for k, (n, _, h) in _GAUGES.items()}
+        vllm = {k: GaugeMetricFamily(v, h, labels=["model_name"]) for k, (_, v, h) in _GAUGES.items() if v}
+        counters = {k: CounterMetricFamily(n, h, labels=["model"]) for k, (n, h) in _COUNTERS.items()}
         for name, engine in self._engines():
-            m = engine.metrics
-            if m is None:
+            values = _engine_values(engine)
+            if values is None:
                 continue
-            values = {"queue_depth": m.waiting, "running": m.running, "batch_size": m.batch_size,
-                      "last_step_s": m.last_step_s, "in_flight": engine.num_in_flight}
-            for key, value in values.items():
-                gauges[key].add_metric([name], value)
-        yield from gauges.values()
+            for key, value in values[0].items():
+                ours[key].add_metric([name], value)
+                if key in vllm:
+                    vllm[key].add_metric([name], value)
+            for key, value in values[1].items():
+                counters[key].add_metric([name], value)
+        yield from (*ours.values(), *vllm.values(), *counters.values())
 
 
 class ServerMetrics:
     """One registry per app, so several apps (tests) never collide."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("vlmserve_requests", "Chat requests by final status", ["model", "status"], registry=self.registry)
-        self.ttft = Histogram("vlmserve_time_to_first_token_seconds", "Time to first token", ["model"],
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.latency = Histogram("vlmserve_request_latency_seconds", "Request latency", ["model"],
-                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.prompt_tokens = Counter("vlmserve_prompt_tokens", "Prompt tokens in", ["model"], registry=self.registry)
-        self.completion_tokens = Counter("vlmserve_completion_tokens", "Tokens generated", ["model"], registry=self.registry)
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("vlmserve_requests", "Chat requests by final status", ["model", "status"], registry=r)
+        self.rejections = Counter("vlmserve_rejected_requests", "Requests answered with an error status, by status "
+                                  "and error code", ["status", "code"], registry=r)
+        self.ttft = _pair("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS, r)
+        self.latency = _pair("request_latency_seconds", "Request latency", _LATENCY_BUCKETS, r,
+                             vllm_name="e2e_request_latency_seconds")
+        self.itl = _pair("inter_token_latency_seconds", "Time between two output tokens of a request", _TOKEN_BUCKETS, r)
+        self.step_time = Histogram("vlmserve_step_duration_seconds", "Duration of each engine step", ["model"],
+                                   buckets=_TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens = _pair("prompt_tokens", "Prompt tokens in", None, r)
+        self.completion_tokens = _pair("completion_tokens", "Tokens generated", None, r, vllm_name="generation_tokens")
 
     def watch_engines(self, engines: Callable[[], list[tuple[str, Any]]]) -> None:
         self.registry.register(_EngineCollector(engines))
+        for name, engine in engines():
+            engine.on_step = lambda m, name=name: self.step_time.labels(name).observe(m.last_step_s)
+
+    def tokens_arrived(self, model: str, gap_s: float, count: int) -> None:
+        """``count`` tokens of one request arrived ``gap_s`` after its previous ones."""
+        for _ in range(count):
+            self.itl.observe(model, gap_s / count)
 
     def finished(self, model: str, status: str, ttft: float | None, latency: float, usage: dict[str, Any]) -> None:
         self.requests.labels(model, status).inc()
-        self.latency.labels(model).observe(latency)
+        self.latency.observe(model, latency)
         if ttft is not None:
-            self.ttft.labels(model).observe(ttft)
-        self.prompt_tokens.labels(model).inc(usage.get("prompt_tokens", 0))
-        self.completion_tokens.labels(model).inc(usage.get("completion_tokens", 0))
+            self.ttft.observe(model, ttft)
+        self.prompt_tokens.inc(model, usage.get("prompt_tokens", 0))
+        self.completion_tokens.inc(model, usage.get("completion_tokens", 0))
+
+    def rejected(self, status: int, code: str | None) -> None:
+        self.rejections.labels(str(status), code or "").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _pair:  # noqa: N801 - reads as a metric
+    """One quantity under our name and vLLM's: a histogram when given buckets, else a counter."""
+
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...] | None, registry: CollectorRegistry,
+                 vllm_name: str | None = None) -> None:
+        vllm = f"vllm:{vllm_name or name}"
+        if buckets is None:
+            self.ours = Counter(f"vlmserve_{name}", help, ["model"], registry=registry)
+            self.theirs = Counter(vllm, help, ["model_name"], registry=registry)
+        else:
+            self.ours = Histogram(f"vlmserve_{name}", help, ["model"], buckets=buckets, registry=registry)
+            self.theirs = Histogram(vllm, help, ["model_name"], buckets=buckets, registry=registry)
+
+    def observe(self, model: str, value: float) -> None:
+        self.ours.labels(model).observe(value)
+        self.theirs.labels(model).observe(value)
+
+    def inc(self, model: str, value: float) -> None:
+        self.ours.labels(model).inc(value)
+        self.theirs.labels(model).inc(value)

@@ -31,6 +31,9 @@ class ServerState:
     default_max_tokens: int = 512
     max_body_bytes: int = 64 * 1024 * 1024
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    cors_origins: tuple[str, ...] = ()
+    draining: bool = False  # shutting down: no new requests, running ones finish
+
 
     def model(self, name: str) -> ServedModel:
         for served in self.models:
@@ -41,7 +44,7 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return bool(self.models) and all(m.engine.ready for m in self.models)
+        return bool(self.models) and not self.draining and all(m.engine.ready for m in self.models)
 
 
 def aliases_for(spec: str) -> tuple[str, ...]:

@@ -11,7 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vlmserve.config import DEFAULT_DTYPE
-from vlmserve.engine.loader import LoadedModel
+from vlmserve.engine.loader import LoadedModel, default_kv_budget
+from vlmserve.engine.memory import KVBudget, measure_footprint
+from vlmserve.engine.params import PromptInputs
 from vlmserve.engine.prefix_cache import PrefixCache
 from vlmserve.engine.request import (
     AbortRequest,
@@ -42,6 +44,8 @@ class EngineConfig:
     prefix_cache_entries: int = 32
     prefix_cache_bytes: int = 1 << 30
     dtype: str = DEFAULT_DTYPE  # the float weights' dtype when served (loader.serving_dtype)
+    kv_cache_bytes: int | None = None  # the KV budget; None: sized from the machine's memory (engine/memory.py)
+    stall_timeout_s: float = 30.0  # a consumer that takes no output for this long, with outputs waiting, is aborted
 
 
 @dataclass(slots=True)
@@ -65,7 +69,8 @@ class EngineCore:
         self.worker = worker
         self.publish = publish  # called on the worker once per step; must only hand the batch over
         self.config = config
-        self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.prefill_chunk))
+        self.kv = KVBudget(config.kv_cache_bytes)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.prefill_chunk), self.kv)
         self.runner = ModelRunner(loaded)
         self.prefix_cache = self._new_prefix_cache()
         self.metrics = EngineMetrics()
@@ -77,6 +82,15 @@ class EngineCore:
     def _new_prefix_cache(self) -> PrefixCache | None:
         config = self.config
         return PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes) if config.prefix_cache else None
+
+    def measure_kv(self, prompt: PromptInputs) -> KVBudget:
+        """Measure this model's KV bytes per position on a text prompt; size the budget if unset."""
+        self.worker.assert_on_worker()
+        self.kv.footprint = measure_footprint(self.runner, prompt)
+        if self.kv.limit_bytes is None:
+            self.kv.limit_bytes = default_kv_budget()
+        self._record(self.metrics.last_step_s, False)
+        return self.kv
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix and its counters (after the warm-up, whose prompts nobody sends)."""
@@ -282,6 +296,7 @@ class EngineCore:
             m.last_step_s = seconds
         m.running, m.waiting = self.scheduler.num_running, self.scheduler.num_waiting
         m.batch_size = len(self.runner.batch)
+        m.kv_reserved_bytes, m.kv_budget_bytes = self.scheduler.kv_reserved_bytes, self.kv.limit_bytes
         m.prefix = self.prefix_cache.stats() if self.prefix_cache is not None else None
 
     def snapshot(self) -> EngineMetrics:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import warnings
@@ -162,6 +163,16 @@ def _max_context(config: Any) -> int:
 
 _process_configured = False
 _process_lock = threading.Lock()
+
+
+def default_kv_budget() -> int:
+    """The KV budget when none is configured: on Metal 80% of the recommended working set, else
+    half the physical memory, less what is allocated already (the weights); at least 256 MiB."""
+    if mx.metal.is_available():
+        total = int(0.8 * mx.device_info()["max_recommended_working_set_size"])
+    else:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    return max(256 << 20, total - mx.get_active_memory())
 
 
 def configure_process() -> None:

@@ -58,6 +58,8 @@ class EngineMetrics:
     step_errors: int = 0
     prefill_batches: int = 0  # forwards that prefilled several whole prompts together
     vision_batches: int = 0  # vision forwards shared by several image prompts
+    kv_reserved_bytes: int = 0  # what the running requests may fill (engine/memory.py)
+    kv_budget_bytes: int | None = None
     prefix: PrefixCacheStats | None = None
 
 

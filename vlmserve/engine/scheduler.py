@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from vlmserve.engine.memory import KVBudget
 from vlmserve.engine.request import Request, RequestStatus
 
 
@@ -49,9 +50,15 @@ class RequestUpdate:
     error: str | None = None
 
 
+def kv_need(req: Request) -> int:
+    """The positions a request may fill: its prompt and every token it may generate."""
+    return min(req.num_prompt_tokens + req.params.max_tokens, req.max_context)
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, budget: KVBudget | None = None) -> None:
         self.config = config
+        self.budget = budget or KVBudget(None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted: prefilling or decoding, in admission order
 
@@ -68,10 +75,17 @@ class Scheduler:
                 return req
         return None
 
+    @property
+    def kv_reserved_bytes(self) -> int:
+        return self.budget.batch_bytes([kv_need(r) for r in self.running])
+
     def admit(self) -> list[Request]:
-        """Move waiting requests into free batch slots; the caller starts them before ``schedule``."""
+        """Move waiting requests into free batch slots while the KV budget holds them; the caller
+        starts them before ``schedule``."""
         admitted = []
         while self.waiting and len(self.running) < self.config.max_batch_size:
+            if not self.budget.fits([kv_need(r) for r in (*self.running, self.waiting[0])]):
+                break  # first come, first served: the head waits for memory, nobody overtakes it
             req = self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -17,6 +18,7 @@ from PIL import Image
 
 from vlmserve.engine.core import EngineConfig, EngineCore
 from vlmserve.engine.loader import LoadedModel, ModelLoadError, configure_process, load_model
+from vlmserve.engine.memory import KVBudget
 from vlmserve.engine.models import SUPPORTED_FAMILIES
 from vlmserve.engine.params import PromptInputs, SamplingParams
 from vlmserve.engine.request import AbortRequest, AddRequest, EngineMetrics, StepOutput, StepOutputs
@@ -46,6 +48,10 @@ class PromptTooLongError(ValueError):
     """The prompt does not fit the model's context (the API answers 400)."""
 
 
+class OverBudgetError(ValueError):
+    """The request's KV cache could never fit the KV budget, even alone (the API answers 400)."""
+
+
 class AsyncEngine:
     """One model: its worker thread, its EngineCore, and the asyncio side of every request."""
 
@@ -60,10 +66,14 @@ class AsyncEngine:
         self.prompter: PromptBuilder | None = None
         self.tool_format: str | None = None  # the tool-call syntax this model speaks
         self.core: EngineCore | None = None
+        self.kv: KVBudget | None = None  # measured after the warm-up
         self.ready = False
         self.dead_reason: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue[StepOutput]] = {}
+        self._busy_since: dict[str, float] = {}  # when each consumer last took an output (absent: waiting for one)
+        self.stalled = 0  # requests aborted because their consumer stopped reading
+        self.on_step: Callable[[EngineMetrics], None] | None = None  # on the loop, once per engine step
         self._metrics = EngineMetrics()
 
     # -- life cycle ------------------------------------------------------------------
@@ -73,7 +83,9 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self.worker.on_exit = self._on_worker_exit_threadsafe
         self.worker.start()
+        began = time.perf_counter()
         self.loaded = await self.worker.run(self._load)
+        loaded = time.perf_counter()
         self.prompter = await asyncio.get_running_loop().run_in_executor(
             self._pool, PromptBuilder.for_processor, self.loaded.processor)
         self.tool_format = self._tool_format()
@@ -82,7 +94,13 @@ class AsyncEngine:
         if warmup:
             await self._warmup()
             await self.worker.run(self.core.reset_prefix_cache)
+        probe = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self.prompter.build, [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+        self.kv = await self.worker.run(self.core.measure_kv, probe)
         self.ready = True
+        log.info("model %s (%s): loaded in %.2f s, warmed up in %.2f s; KV cache %.1f KiB per position, budget %.2f GiB",
+                 self.name, self.loaded.model_type, loaded - began, time.perf_counter() - loaded,
+                 self.kv.footprint.per_position / 1024, (self.kv.limit_bytes or 0) / 2**30)
 
     def _load(self) -> LoadedModel:
         self.worker.assert_on_worker()
@@ -172,20 +190,24 @@ class AsyncEngine:
         submitted = engine_done = False
         try:
             prompt = await self._phase1(prompt)
-            self._check_fits(prompt)
+            self._check_fits(prompt, params)
             self._check_alive()
             self.core.post(AddRequest(request_id, prompt, params))
             submitted = True
             output = OutputProcessor(self.loaded.tokenizer, params.stop, params.skip_special_tokens)
             while True:
+                self._busy_since.pop(request_id, None)
                 step = await q.get()
+                self._busy_since[request_id] = time.monotonic()
                 engine_done = step.finish_reason is not None
                 result = output.process(step)
                 yield result
                 if result.finished:
                     return
         finally:
-            del self._streams[request_id]
+            if self._streams.get(request_id) is q:
+                del self._streams[request_id]
+            self._busy_since.pop(request_id, None)
             if submitted and not engine_done:
                 self.abort(request_id)  # disconnect, break or stop string: the worker frees the slot
 
@@ -212,7 +234,7 @@ class AsyncEngine:
             return prompt
         return await asyncio.get_running_loop().run_in_executor(self._pool, prompt, self.prompter)
 
-    def _check_fits(self, prompt: PromptInputs) -> None:
+    def _check_fits(self, prompt: PromptInputs, params: SamplingParams) -> None:
         most = self.loaded.adapter.max_images
         if most is not None and prompt.num_images > most:
             raise PromptError(f"model {self.name!r} ({self.loaded.model_type}) takes at most {most} image(s) "
@@ -220,6 +242,9 @@ class AsyncEngine:
         limit = self.loaded.max_context
         if len(prompt) + 1 > limit:
             raise PromptTooLongError(f"prompt is {len(prompt)} tokens; model {self.name!r} allows at most {limit - 1}")
+        refusal = self.kv.refusal(min(len(prompt) + params.max_tokens, limit)) if self.kv is not None else None
+        if refusal is not None:
+            raise OverBudgetError(f"model {self.name!r} cannot take this request: {refusal}")
 
     def _publish_threadsafe(self, step: StepOutputs) -> None:
         """On the worker, once per step: one hop to the loop for all of the step's outputs."""
@@ -227,11 +252,29 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(self._dispatch, step)
 
     def _dispatch(self, step: StepOutputs) -> None:
+        if self.on_step is not None and step.metrics.steps != self._metrics.steps:
+            self.on_step(step.metrics)
         self._metrics = step.metrics
+        now = time.monotonic()
         for out in step.outputs:
             q = self._streams.get(out.request_id)
-            if q is not None:  # gone: its consumer stopped listening (the abort is on its way)
+            if q is None:  # gone: its consumer stopped listening (the abort is on its way)
+                continue
+            busy = self._busy_since.get(out.request_id)
+            if not q.empty() and busy is not None and now - busy > self.config.stall_timeout_s:
+                self._abort_stalled(out.request_id, q, now - busy)
+            else:
                 q.put_nowait(out)
+
+    def _abort_stalled(self, request_id: str, q: asyncio.Queue[StepOutput], idle_s: float) -> None:
+        """A consumer (a client that stopped reading its stream) holds its batch slot no longer: the
+        request is aborted and forgotten; the consumer finds an error after what it has not read."""
+        self.stalled += 1
+        log.warning("request %s: its client read nothing for %.1f s; aborted", request_id, idle_s)
+        self.abort(request_id)
+        q.put_nowait(StepOutput(request_id, finish_reason="error",
+                                error=f"the client read nothing for {idle_s:.0f} s; the request was aborted"))
+        del self._streams[request_id]
 
     # -- introspection -------------------------------------------------------------
 

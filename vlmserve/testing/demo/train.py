@@ -190,10 +190,12 @@ class Trainer:
 
 def _as_loaded(trainer: Trainer) -> Any:
     from vlmserve.engine.loader import LoadedModel
+    from vlmserve.engine.models import adapter_for
 
     return LoadedModel(
         name="demo-gemma4 (training)", path=Path("."), model=trainer.model, processor=trainer.processor,
-        model_type="gemma4", eos_token_ids=frozenset(trainer.recipe.eos_ids), max_context=4096, load_seconds=0.0,
+        model_type="gemma4", adapter=adapter_for(trainer.model, "gemma4"), eos_token_ids=frozenset(trainer.recipe.eos_ids),
+        max_context=4096, load_seconds=0.0,
     )  # fmt: skip
 
 

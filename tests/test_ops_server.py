@@ -1,0 +1,191 @@
+"""Operating the server: a client that stops reading, the KV budget, logs, metrics, auth and CORS.
+
+Each runs a real ``vlmserve serve`` on the micro Gemma 4 and real clients (raw sockets, httpx,
+the openai SDK).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from server_utils import start_server
+
+KEY = "sekret-key"
+LONG = {"max_tokens": 500, "extra_body": {"ignore_eos": True}}
+
+
+def _metric(server, name: str, labels: str = "") -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    pattern = "^" + re.escape(name) + (r"\{[^}]*" + re.escape(labels) + r"[^}]*\}" if labels else r"(\{[^}]*\})?")
+    values = [float(m.group("value")) for m in re.finditer(pattern + r" (?P<value>\S+)$", text, re.M)]
+    assert values, f"{name}{{{labels}}} not in /metrics"
+    return sum(values)
+
+
+@pytest.fixture(scope="module")
+def ops_server(gemma4_micro, tmp_path_factory):
+    """The API key from the environment, CORS for one origin, a 1 s stall timeout."""
+    log = tmp_path_factory.mktemp("ops") / "server.log"
+    args = ["--model", str(gemma4_micro), "--stream-stall-timeout", "1", "--cors-origin", "http://app.example"]
+    server = start_server(args, log, env={"VLMSERVE_API_KEY": KEY})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def budget_server(gemma4_micro, tmp_path_factory):
+    """A KV budget of 629 KB: the micro Gemma 4 costs 512 B per position up to its 512-position
+    window, then 256 B, so two requests of ~510 positions fit together and a third waits."""
+    log = tmp_path_factory.mktemp("budget") / "server.log"
+    server = start_server(["--model", str(gemma4_micro), "--kv-cache-gb", "0.0006"], log)
+    yield server
+    server.stop()
+
+
+def _post(server, body, key: str | None = KEY, **kwargs):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60, **kwargs)
+
+
+def _client(server, key: str = KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def test_a_client_that_stops_reading_loses_its_slot_and_others_keep_going(ops_server, gemma4_micro):
+    body = json.dumps({"model": gemma4_micro.name, "messages": [{"role": "user", "content": "go"}], "stream": True,
+                       "max_tokens": 20000, "ignore_eos": True}).encode()
+    stuck = socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's writes block soon
+    stuck.connect(("127.0.0.1", ops_server.port))
+    stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+                  + b"\r\n\r\n" + body)
+    start = time.monotonic()
+
+    async def meanwhile():
+        client = _client(ops_server)
+        tokens = 0
+        async for chunk in await client.chat.completions.create(
+                model=gemma4_micro.name, messages=[{"role": "user", "content": "hi"}], stream=True,
+                stream_options={"include_usage": True}, **LONG):
+            tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+        return tokens
+
+    try:
+        assert asyncio.run(meanwhile()) == 500  # the other stream keeps its pace and finishes
+        while _metric(ops_server, "vlmserve_stalled_requests_total") < 1:
+            assert time.monotonic() - start < 120, "the stuck request was never aborted"
+            time.sleep(0.1)
+        released = time.monotonic() - start
+        assert _metric(ops_server, "vlmserve_running_requests") == 0
+        assert _metric(ops_server, "vlmserve_requests_in_flight") == 0
+        print(f"stuck client: slot released {released:.1f} s after it sent its request (stall timeout 1 s)")
+        assert "read nothing for" in ops_server.log
+    finally:
+        stuck.close()
+
+
+def test_the_api_key_comes_from_the_environment(ops_server, gemma4_micro):
+    body = {"model": gemma4_micro.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert _post(ops_server, body, key=None).status_code == 401
+    assert _post(ops_server, body, key=KEY + "x").status_code == 401
+    assert _post(ops_server, body).status_code == 200
+
+
+def test_cors_answers_the_named_origin_only(ops_server):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    ok = httpx.options(ops_server.url + "/v1/chat/completions", headers={"Origin": "http://app.example", **preflight})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.example"
+    other = httpx.options(ops_server.url + "/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight})
+    assert "access-control-allow-origin" not in other.headers
+    get = httpx.get(ops_server.url + "/health", headers={"Origin": "http://app.example"})
+    assert get.headers["access-control-allow-origin"] == "http://app.example"
+
+
+def test_cors_is_off_by_default(server):
+    r = httpx.get(server.url + "/health", headers={"Origin": "http://app.example"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_metrics_carry_vllm_names_latency_histograms_and_rejections(ops_server, gemma4_micro):
+    name = str(gemma4_micro)  # the name it is served under (the directory also answers to its base name)
+    body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+    before = _metric(ops_server, "vllm:generation_tokens_total", f'model_name="{name}"')
+    with httpx.stream("POST", ops_server.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200 and r.read()
+    assert _metric(ops_server, "vllm:generation_tokens_total", f'model_name="{name}"') >= before + 1
+    for metric in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                   "vllm:prompt_tokens_total", "vllm:inter_token_latency_seconds_count"):
+        assert _metric(ops_server, metric, f'model_name="{name}"') >= 1, metric
+    for metric in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert _metric(ops_server, metric, f'model_name="{name}"') >= 0
+    assert _metric(ops_server, "vlmserve_step_duration_seconds_count", f'model="{name}"') >= 8
+    assert _metric(ops_server, "vlmserve_kv_cache_budget_bytes", f'model="{name}"') > 0
+    rejected = _post(ops_server, {"model": name, "messages": [{"role": "user", "content": "hi"}], "seed": -1})
+    assert rejected.status_code == 400
+    assert _metric(ops_server, "vlmserve_rejected_requests_total", 'code="invalid_value",status="400"') >= 1
+    assert _post(ops_server, {"model": name}, key="wrong").status_code == 401
+    assert _metric(ops_server, "vlmserve_rejected_requests_total", 'code="invalid_api_key",status="401"') >= 1
+    hits = _metric(ops_server, "vlmserve_prefix_cache_hits_total", f'model="{name}"')
+    assert hits >= 0
+
+
+def test_serve_logs_its_address_load_and_a_line_per_request(ops_server, gemma4_micro):
+    _post(ops_server, {"model": gemma4_micro.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    _post(ops_server, {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
+    log = ops_server.log
+    stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO "
+    assert re.search(stamp + rf"vlmserve.server: .* on http://127.0.0.1:{ops_server.port}$", log, re.M), log
+    assert re.search(stamp + r".*loaded in [\d.]+ s, warmed up in [\d.]+ s", log, re.M), log
+    assert re.search(stamp + r"vlmserve.requests: chatcmpl-\w+ model=.* prompt=\d+ completion=2 ttft=[\d.]+s "
+                             r"total=[\d.]+s finish=length$", log, re.M), log
+    assert re.search(stamp + r"vlmserve.requests: rejected POST /v1/chat/completions status=404 code=model_not_found",
+                     log, re.M), log
+    assert re.search(stamp + r"uvicorn", log, re.M), "uvicorn's own lines carry timestamps too"
+
+
+def test_a_request_that_could_never_fit_the_kv_budget_is_400(budget_server, gemma4_micro):
+    body = {"model": gemma4_micro.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30000}
+    r = _post(budget_server, body, key=None)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "kv_budget_exceeded" and error["param"] == "max_tokens" and "KV budget" in error["message"]
+    assert _post(budget_server, {**body, "max_tokens": 3}, key=None).status_code == 200
+
+
+def test_eight_long_requests_together_wait_their_turn_within_the_kv_budget(budget_server, gemma4_micro):
+    budget = _metric(budget_server, "vlmserve_kv_cache_budget_bytes")
+    assert budget == int(0.0006 * 2**30)
+
+    async def scenario():
+        client = _client(budget_server, "unused")
+
+        async def one(i):
+            r = await client.chat.completions.create(model=gemma4_micro.name, max_tokens=500,
+                                                     messages=[{"role": "user", "content": f"story {i}"}],
+                                                     extra_body={"ignore_eos": True})
+            return r.usage.completion_tokens
+
+        tasks = [asyncio.create_task(one(i)) for i in range(8)]
+        running, reserved = [], []
+        async with httpx.AsyncClient() as http:
+            while not all(t.done() for t in tasks):
+                text = (await http.get(budget_server.url + "/metrics")).text
+                running.append(float(re.search(r"^vlmserve_running_requests\{.*\} (\S+)", text, re.M).group(1)))
+                reserved.append(float(re.search(r"^vlmserve_kv_cache_reserved_bytes\{.*\} (\S+)", text, re.M).group(1)))
+                await asyncio.sleep(0.05)
+        return [t.result() for t in tasks], running, reserved
+
+    tokens, running, reserved = asyncio.run(scenario())
+    assert tokens == [500] * 8  # every request completes: none crashed, none was refused
+    assert max(running) == 2 and max(reserved) <= budget, (max(running), max(reserved))
+    print(f"KV budget {budget / 1024:.0f} KiB: at most {max(running):.0f} running, peak reserved "
+          f"{max(reserved) / 1024:.0f} KiB, over {len(running)} scrapes")

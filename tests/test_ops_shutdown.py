@@ -1,0 +1,120 @@
+"""SIGTERM under load: stop admitting, let running streams finish within the grace period, end
+the rest with an error event, exit 0. Each test owns its server (it is stopped)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from server_utils import start_server
+
+
+def _stream(server, model: str, max_tokens: int, events: list, first: threading.Event) -> None:
+    """Read one SSE stream to its end; ``events`` gets every data payload, then "closed" or the error."""
+    body = {"model": model, "messages": [{"role": "user", "content": "tell me"}], "stream": True,
+            "max_tokens": max_tokens, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if '"content":"' in line and '"content":""' not in line:
+                        first.set()
+        events.append("closed")
+    except httpx.HTTPError as exc:
+        events.append(f"transport error: {exc!r}")
+    finally:
+        first.set()
+
+
+def _run_streams(server, model: str, max_tokens: int, n: int = 8):
+    events = [[] for _ in range(n)]
+    started = [threading.Event() for _ in range(n)]
+    threads = [threading.Thread(target=_stream, args=(server, model, max_tokens, events[i], started[i]))
+               for i in range(n)]
+    for t in threads:
+        t.start()
+    for s in started:
+        assert s.wait(120)
+    return threads, events
+
+
+def _sigterm_and_time_exit(server) -> tuple[int, float]:
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    rc = server.proc.wait(60)
+    return rc, time.monotonic() - start
+
+
+def _finishes(events: list[str]) -> tuple[str | None, bool]:
+    """The stream's finish_reason (or "error"), and whether it ended with [DONE] and a clean close."""
+    finish = None
+    for payload in events:
+        if payload in ("[DONE]", "closed") or payload.startswith("transport"):
+            continue
+        data = json.loads(payload)
+        if "error" in data:
+            finish = "error"
+        for choice in data.get("choices", []):
+            finish = choice.get("finish_reason") or finish
+    return finish, events[-2:] == ["[DONE]", "closed"]
+
+
+def test_sigterm_ends_long_streams_with_an_error_event_after_the_grace_period(gemma4_micro, tmp_path):
+    server = start_server(["--model", str(gemma4_micro), "--shutdown-timeout", "2"], tmp_path / "server.log")
+    threads, events = _run_streams(server, gemma4_micro.name, 20000)
+    rc, took = _sigterm_and_time_exit(server)
+    for t in threads:
+        t.join(30)
+    print(f"SIGTERM with 8 live streams (grace 2 s): exited {rc} in {took:.2f} s")
+    assert rc == 0
+    assert 2 <= took < 30  # waited out the grace period, then did not hang
+    for stream in events:
+        finish, clean = _finishes(stream)
+        assert finish == "error" and clean, stream[-3:]
+        assert "shutting down" in "".join(stream)
+    assert "draining 8 request(s)" in server.log and "ending 8 request(s) still running" in server.log
+
+
+def test_sigterm_lets_short_streams_finish_and_refuses_new_requests(gemma4_micro, tmp_path):
+    server = start_server(["--model", str(gemma4_micro), "--shutdown-timeout", "30"], tmp_path / "server.log")
+    client = httpx.Client(base_url=server.url, timeout=30)  # a kept-alive connection, opened before the signal
+    assert client.get("/health").status_code == 200
+    threads, events = _run_streams(server, gemma4_micro.name, 300)
+    rc_box: list = []
+    waiter = threading.Thread(target=lambda: rc_box.append(_sigterm_and_time_exit(server)))
+    waiter.start()
+    time.sleep(0.3)
+    late = client.post("/v1/chat/completions", json={"model": gemma4_micro.name, "messages": [
+        {"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+    assert client.get("/ready").status_code == 503  # a gateway stops routing here at once
+    waiter.join(60)
+    for t in threads:
+        t.join(30)
+    rc, took = rc_box[0]
+    print(f"SIGTERM with 8 short streams (grace 30 s): exited {rc} in {took:.2f} s")
+    assert rc == 0 and took < 30  # it left as soon as the streams were done, not at the deadline
+    for stream in events:
+        assert _finishes(stream) == ("length", True), stream[-3:]
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_stops_at_once(gemma4_micro, tmp_path, second):
+    server = start_server(["--model", str(gemma4_micro), "--shutdown-timeout", "60"], tmp_path / "server.log")
+    threads, events = _run_streams(server, gemma4_micro.name, 20000, n=2)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    rc, took = _sigterm_and_time_exit(server) if second == signal.SIGTERM else (None, 0)
+    if second == signal.SIGINT:
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        rc, took = server.proc.wait(60), time.monotonic() - start
+    for t in threads:
+        t.join(30)
+    assert rc == 0 and took < 30
+    assert all(_finishes(stream)[0] == "error" for stream in events)

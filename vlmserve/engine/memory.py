@@ -1,0 +1,97 @@
+"""[worker] The KV-cache memory budget: what a request's cache costs, and whether a batch fits.
+
+A decode batch keeps one left-padded KV tensor per layer, so every row costs as many positions
+as the longest row. Admission therefore bounds ``rows x bytes(longest need)``, where a request's
+need is its prompt plus ``max_tokens`` (capped at the context): reserved up front, so a batch that
+was admitted can always run to its end. The bytes per position are measured once, after the
+warm-up, from a real prefilled cache of the model's own layer types: full attention grows with
+every position, sliding-window layers stop at their window, recurrent and convolution state
+(Qwen3.5, LFM2-VL) is a fixed cost per row. The prefix cache has its own bound
+(``prefix_cache_bytes``) and is not counted here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vlmserve.engine.params import PromptInputs, SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class KVFootprint:
+    """Bytes one row of the cache holds at a number of positions."""
+
+    per_position: int = 0  # over the full-attention layers
+    windows: tuple[tuple[int, int], ...] = ()  # (bytes per position, window) of sliding-window layers
+    fixed: int = 0  # state that does not grow with positions
+
+    def row_bytes(self, positions: int) -> int:
+        windowed = sum(per * min(positions, window) for per, window in self.windows)
+        return self.per_position * positions + windowed + self.fixed
+
+    @classmethod
+    def measure(cls, cache: Sequence[Any]) -> KVFootprint:
+        """From one request's prefilled cache (mlx-lm's KVCache, RotatingKVCache, ArraysCache)."""
+        per_position, windows, fixed = 0, [], 0
+        for layer in cache:
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if keys is not None and values is not None and hasattr(keys, "shape"):
+                per = (keys.nbytes + values.nbytes) // max(1, keys.shape[2])  # [batch, heads, positions, dim]
+                window = getattr(layer, "max_size", None)
+                if window:
+                    windows.append((per, int(window)))
+                else:
+                    per_position += per
+            else:
+                fixed += sum(a.nbytes for a in _arrays(getattr(layer, "state", ())))
+        return cls(per_position, tuple(windows), fixed)
+
+
+def measure_footprint(runner: Any, prompt: PromptInputs) -> KVFootprint:
+    """Prefill ``prompt`` alone through the runner (a ModelRunner) and measure its cache."""
+    probe = "kv-probe"
+    runner.begin(probe, prompt, SamplingParams(max_tokens=1))
+    try:
+        runner.embed([probe])
+        runner.prefill(probe, runner.prompt_length(probe))
+        return KVFootprint.measure(runner.prefilling[probe].cache)
+    finally:
+        runner.remove([probe])
+
+
+def _arrays(state: Any) -> Iterable[Any]:
+    stack = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif hasattr(item, "nbytes") and hasattr(item, "shape"):
+            yield item
+
+
+@dataclass(slots=True)
+class KVBudget:
+    """Admission's memory bound; ``limit_bytes`` None means unbounded (the footprint is still known)."""
+
+    limit_bytes: int | None
+    footprint: KVFootprint = KVFootprint()
+
+    def batch_bytes(self, needs: Sequence[int]) -> int:
+        """What a batch of rows with these needs (positions) holds at most."""
+        return len(needs) * self.footprint.row_bytes(max(needs)) if needs else 0
+
+    def fits(self, needs: Sequence[int]) -> bool:
+        return self.limit_bytes is None or len(needs) <= 1 or self.batch_bytes(needs) <= self.limit_bytes
+
+    def refusal(self, need: int) -> str | None:
+        """Why a request of this need can never run, however empty the batch; None if it can."""
+        if self.limit_bytes is None:
+            return None
+        cost = self.footprint.row_bytes(need)
+        if cost <= self.limit_bytes:
+            return None
+        return (f"its KV cache would take {cost / 2**20:.1f} MiB ({need} positions: prompt + max_tokens), "
+                f"over this server's KV budget of {self.limit_bytes / 2**20:.1f} MiB; lower max_tokens or "
+                "shorten the prompt")
