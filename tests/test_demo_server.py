@@ -66,6 +66,26 @@ def test_streamed_tool_call(client) -> None:
     assert json.loads(arguments) == {"location": "Tokyo", "unit": "celsius"}
 
 
+def test_the_sdks_own_stream_accumulator_gets_one_whole_call(client, demo_server) -> None:
+    """``client.chat.completions.stream`` (the SDK's accumulator) sees one call with a name and its
+    arguments, and no chunk carries two entries of one index."""
+    with client.chat.completions.stream(model=DEFAULT_MODEL_NAME, messages=[TOKYO], tools=[WEATHER_TOOL],
+                                        **GREEDY) as stream:
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.id and call.type == "function"
+    assert json.loads(call.function.arguments) == {"location": "Tokyo", "unit": "celsius"}
+    import httpx
+
+    body = {"model": DEFAULT_MODEL_NAME, "messages": [TOKYO], "tools": [WEATHER_TOOL], "stream": True, **GREEDY}
+    with httpx.stream("POST", demo_server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    entries = [c["choices"][0]["delta"].get("tool_calls") or [] for c in chunks if c["choices"]]
+    assert all(len(e) <= 1 for e in entries) and sum(len(e) for e in entries) >= 2
+    first = next(e[0] for e in entries if e)
+    assert first["id"] and first["type"] == "function" and first["function"]["name"] == "get_weather"
+
+
 def test_answer_to_the_tool_result_ends_by_itself(client) -> None:
     call, result = weather_exchange("Tokyo", "celsius", 21)
     call["tool_calls"][0]["function"]["arguments"] = json.dumps(call["tool_calls"][0]["function"]["arguments"])

@@ -208,9 +208,12 @@ def _chunks(b: ChoiceBuilder, out: RequestOutput, call: _Call) -> list[dict[str,
             body["reasoning_content"] = delta.reasoning
         if delta.content:
             body["content"] = delta.content
-        if delta.tool_calls:
-            body["tool_calls"] = delta.tool_calls
-        chunks.append(b.chunk(body, logprobs=delta.logprobs or None))
+        if body or delta.logprobs:
+            chunks.append(b.chunk(body, logprobs=delta.logprobs or None))
+        # One tool-call entry per chunk, as OpenAI sends them: the first of a call carries its id, type
+        # and name, later ones argument text. Two entries of one index in one chunk make the openai
+        # SDK 2.x accumulator and llama-index see two calls, one nameless.
+        chunks.extend(b.chunk({"tool_calls": [call]}) for call in delta.tool_calls)
     if out.finished:
         call.finish = b.finish_reason(out.finish_reason)
         chunks.append(b.chunk({}, call.finish))
