@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from PIL import Image, ImageDraw
 
-from vlmserve.engine.core import EngineConfig
+from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.params import SamplingParams
 from vlmserve.frontend.async_engine import AsyncEngine
 from vlmserve.testing import build_model

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 from conftest import scene
 
-from vlmserve.engine.core import EngineConfig
+from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.vision_cache import VisionCache
 from vlmserve.frontend.async_engine import AsyncEngine
 from vlmserve.preprocess.prompt import PromptError
 from vlmserve.testing import ARCHS, build_model
@@ -171,8 +172,9 @@ def test_image_prompts_admitted_together_share_one_vision_forward(family: Family
     prompts = [family.prompt("describe it", [red]), family.prompt(LONG, [green]), family.prompt("x", [red])]
     ids = [f"v{i}" for i in range(len(prompts))]
 
-    def embeddings(grouped: bool) -> tuple[list[list[str]], list[Any]]:
+    def embeddings(grouped: bool, vision_cache: Any = None) -> tuple[list[list[str]], list[Any]]:
         runner = family.engine.core.runner
+        kept, runner.vision_cache = runner.vision_cache, vision_cache  # the tower itself, batched or not
         for request_id, prompt in zip(ids, prompts):
             runner.begin(request_id, prompt, GREEDY)
         groups = runner.embedding_groups(ids) if grouped else [[r] for r in ids]
@@ -180,6 +182,7 @@ def test_image_prompts_admitted_together_share_one_vision_forward(family: Family
             runner.embed(group)
         out = [runner.prefilling[r].embedded for r in ids]
         runner.remove(ids)
+        runner.vision_cache = kept
         return groups, out
 
     def same(a: Any, b: Any) -> bool:  # on the worker: its arrays live on its stream
@@ -192,6 +195,11 @@ def test_image_prompts_admitted_together_share_one_vision_forward(family: Family
     _, alone = family.engine.worker.call(embeddings, False)
     assert (len(groups) == 1) == family.engine.loaded.adapter.batch_embed
     assert [family.engine.worker.call(same, a, b) for a, b in zip(alone, together)] == [True] * len(prompts)
+    if family.engine.loaded.adapter.vision_cache:  # features from the cache embed exactly as the tower's
+        cache = VisionCache(1 << 30)
+        _, cached = family.engine.worker.call(embeddings, False, cache)
+        assert (cache.misses, cache.hits) == (2, 1)  # red twice: encoded once
+        assert [family.engine.worker.call(same, a, b) for a, b in zip(alone, cached)] == [True] * len(prompts)
 
 
 @pytest.mark.parametrize("family", ["paligemma", "llava_next"], indirect=True)

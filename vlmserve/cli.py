@@ -105,6 +105,9 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--kv-cache-gb", type=float, default=None,
                      help="KV-cache memory for running requests; a request that could never fit gets 400, others "
                           "wait (default: 80%% of Metal's recommended working set, else half the RAM, less the weights)")
+    srv.add_argument("--vision-cache-mb", type=float, default=256.0,
+                     help="image features kept across requests, so an image shown again skips the vision tower; 0 turns "
+                          "it off")
     srv.add_argument("--allowed-media-dir", action="append", type=Path, default=[], help="local images may come from here")
     srv.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs (public addresses only)")
     srv.add_argument("--allowed-media-domains", nargs="+", action="extend", default=[], metavar="DOMAIN",
@@ -130,6 +133,8 @@ def _serve_command(args: argparse.Namespace) -> int:
         return usage_error("--max-batch-size must be >= 1 and --max-queue >= 0")
     if args.shutdown_timeout < 0 or args.stream_stall_timeout <= 0 or (args.kv_cache_gb or 1) <= 0:
         return usage_error("--shutdown-timeout must be >= 0, --stream-stall-timeout and --kv-cache-gb > 0")
+    if args.vision_cache_mb < 0:
+        return usage_error("--vision-cache-mb must be >= 0")
     for directory in args.allowed_media_dir:
         if not directory.is_dir():
             return usage_error(f"--allowed-media-dir {directory}: not a directory")
@@ -143,7 +148,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         max_request_bytes=int(args.max_request_mb * 1024 * 1024), log_level=args.log_level, dtype=args.dtype,
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
         shutdown_timeout=args.shutdown_timeout, stall_timeout_s=args.stream_stall_timeout,
-        cors_origins=tuple(args.cors_origin),
+        cors_origins=tuple(args.cors_origin), vision_cache_bytes=int(args.vision_cache_mb * 2**20),
     )
     return serve(config)
 

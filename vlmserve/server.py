@@ -18,7 +18,7 @@ from vlmserve import __version__
 from vlmserve.api.app import create_app, stop_engines
 from vlmserve.api.state import ServedModel, ServerState, aliases_for
 from vlmserve.config import DEFAULT_DTYPE, resolve_model
-from vlmserve.engine.core import EngineConfig
+from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.frontend.async_engine import AsyncEngine
 from vlmserve.preprocess.media import MediaPolicy
 
@@ -48,6 +48,7 @@ class ServeConfig:
     kv_cache_bytes: int | None = None
     stall_timeout_s: float = 30.0
     cors_origins: tuple[str, ...] = ()
+    vision_cache_bytes: int = 256 << 20
 
 
 def build_state(config: ServeConfig) -> ServerState:
@@ -55,7 +56,7 @@ def build_state(config: ServeConfig) -> ServerState:
     engine_config = EngineConfig(max_batch_size=config.max_batch_size, max_queue=config.max_queue,
                                  prefix_cache=config.prefix_cache, max_model_len=config.max_model_len,
                                  dtype=config.dtype, kv_cache_bytes=config.kv_cache_bytes,
-                                 stall_timeout_s=config.stall_timeout_s)
+                                 stall_timeout_s=config.stall_timeout_s, vision_cache_bytes=config.vision_cache_bytes)
     served = []
     for spec in config.models or (None,):
         path, name = resolve_model(spec)

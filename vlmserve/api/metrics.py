@@ -23,12 +23,18 @@ _GAUGES = {
     "kv_reserved": ("vlmserve_kv_cache_reserved_bytes", None, "KV-cache bytes the running requests may fill"),
     "kv_budget": ("vlmserve_kv_cache_budget_bytes", None, "The KV-cache budget admission keeps to"),
     "kv_usage": ("vlmserve_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "Reserved KV cache over the budget (0-1)"),
+    "vision_bytes": ("vlmserve_vision_cache_bytes", None, "Bytes of image features in the vision cache"),
+    "vision_entries": ("vlmserve_vision_cache_entries", None, "Images whose features the vision cache holds"),
 }
 _COUNTERS = {
     "prefix_hits": ("vlmserve_prefix_cache_hits", "Text prompts that reused a cached prefix"),
     "prefix_misses": ("vlmserve_prefix_cache_misses", "Text prompts that found no cached prefix"),
     "prefix_hit_tokens": ("vlmserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
     "stalled": ("vlmserve_stalled_requests", "Requests aborted because their client stopped reading"),
+    "vision_hits": ("vlmserve_vision_cache_hits", "Images whose features came from the vision cache"),
+    "vision_misses": ("vlmserve_vision_cache_misses", "Images encoded by the vision tower (then cached)"),
+    "vision_evictions": ("vlmserve_vision_cache_evictions", "Images' features dropped to stay within the budget"),
+    "vision_seconds": ("vlmserve_vision_seconds", "Seconds spent embedding image prompts (vision tower and merge)"),
 }
 
 
@@ -40,9 +46,12 @@ def _engine_values(engine: Any) -> tuple[dict[str, float], dict[str, float]] | N
     gauges = {"waiting": m.waiting, "running": m.running, "batch_size": m.batch_size, "last_step_s": m.last_step_s,
               "in_flight": engine.num_in_flight, "kv_reserved": m.kv_reserved_bytes, "kv_budget": budget,
               "kv_usage": m.kv_reserved_bytes / budget if budget else 0.0}
-    prefix = m.prefix
+    prefix, vision = m.prefix, m.vision
+    gauges.update(vision_bytes=vision.bytes if vision else 0, vision_entries=vision.entries if vision else 0)
     counters = {"prefix_hits": prefix.hits if prefix else 0, "prefix_misses": prefix.misses if prefix else 0,
-                "prefix_hit_tokens": prefix.hit_tokens if prefix else 0, "stalled": engine.stalled}
+                "prefix_hit_tokens": prefix.hit_tokens if prefix else 0, "stalled": engine.stalled,
+                "vision_hits": vision.hits if vision else 0, "vision_misses": vision.misses if vision else 0,
+                "vision_evictions": vision.evictions if vision else 0, "vision_seconds": m.vision_seconds}
     return gauges, counters
 
 

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vlmserve.config import DEFAULT_DTYPE
+from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import LoadedModel, default_kv_budget
 from vlmserve.engine.memory import KVBudget, measure_footprint
 from vlmserve.engine.params import PromptInputs
@@ -28,24 +28,11 @@ from vlmserve.engine.request import (
 from vlmserve.engine.runner import ModelRunner
 from vlmserve.engine.sampler import Sample
 from vlmserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
+from vlmserve.engine.vision_cache import VisionCache
 from vlmserve.engine.worker import MLXWorkerThread
 
 log = logging.getLogger(__name__)
 _EARLY_ABORTS = 4096  # aborts that overtook their request; bounded so a leak cannot grow
-
-
-@dataclass(slots=True, frozen=True)
-class EngineConfig:
-    max_batch_size: int = 8
-    max_queue: int = 64  # requests waiting beyond the batch before submissions fail fast
-    prefill_chunk: int = 512
-    max_model_len: int | None = None  # caps the model's own context (prompt + output)
-    prefix_cache: bool = True
-    prefix_cache_entries: int = 32
-    prefix_cache_bytes: int = 1 << 30
-    dtype: str = DEFAULT_DTYPE  # the float weights' dtype when served (loader.serving_dtype)
-    kv_cache_bytes: int | None = None  # the KV budget; None: sized from the machine's memory (engine/memory.py)
-    stall_timeout_s: float = 30.0  # a consumer that takes no output for this long, with outputs waiting, is aborted
 
 
 @dataclass(slots=True)
@@ -71,7 +58,7 @@ class EngineCore:
         self.config = config
         self.kv = KVBudget(config.kv_cache_bytes)
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.prefill_chunk), self.kv)
-        self.runner = ModelRunner(loaded)
+        self.runner = ModelRunner(loaded, self._new_vision_cache())
         self.prefix_cache = self._new_prefix_cache()
         self.metrics = EngineMetrics()
         self._inbox: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()
@@ -92,10 +79,17 @@ class EngineCore:
         self._record(self.metrics.last_step_s, False)
         return self.kv
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix and its counters (after the warm-up, whose prompts nobody sends)."""
+    def _new_vision_cache(self) -> VisionCache | None:
+        return VisionCache(self.config.vision_cache_bytes) if self.config.vision_cache_bytes > 0 else None
+
+    def reset_caches(self) -> None:
+        """Forget every cached prefix and image, and their counters (after the warm-up, whose
+        prompts nobody sends)."""
         self.worker.assert_on_worker()
         self.prefix_cache = self._new_prefix_cache()
+        self.metrics.vision_seconds = 0.0
+        if self.runner.vision_cache is not None:
+            self.runner.vision_cache = self._new_vision_cache()
 
     # -- any thread --------------------------------------------------------------
 
@@ -165,7 +159,10 @@ class EngineCore:
         begun = {req.request_id: req for req in admitted if self._begin(req)}
         for group in self.runner.embedding_groups(list(begun)):
             reqs = [begun[r] for r in group]
+            start = time.perf_counter()
             error = self._guarded(reqs, self.runner.embed, group)
+            if reqs[0].prompt.has_images:
+                self.metrics.vision_seconds += time.perf_counter() - start
             if len(group) > 1 and error is None:
                 self.metrics.vision_batches += 1
             for req in reqs:
@@ -298,6 +295,7 @@ class EngineCore:
         m.batch_size = len(self.runner.batch)
         m.kv_reserved_bytes, m.kv_budget_bytes = self.scheduler.kv_reserved_bytes, self.kv.limit_bytes
         m.prefix = self.prefix_cache.stats() if self.prefix_cache is not None else None
+        m.vision = self.runner.vision_cache.stats() if self.runner.vision_cache is not None else None
 
     def snapshot(self) -> EngineMetrics:
         """Exact counters between steps (call on the worker); ``metrics`` may lag a step."""

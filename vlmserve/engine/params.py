@@ -55,17 +55,31 @@ class SamplingParams:
         )
 
 
+HostArray = np.ndarray | tuple[np.ndarray, ...]  # a tuple: one array per image (Gemma 4's sizes differ)
+
+
+@dataclass(slots=True, frozen=True)
+class ImageItem:
+    """One image of a prompt as its processor prepared it: its own slice of the pixel arrays, and a
+    strong hash of them (the vision cache's key: equal keys, equal vision features)."""
+
+    key: str
+    arrays: dict[str, np.ndarray]
+
+
 @dataclass(slots=True, frozen=True)
 class PromptInputs:
     """Phase-1 output: plain lists and numpy arrays, never ``mx.array``.
 
     ``arrays`` holds what the processor returned besides ``input_ids`` (``pixel_values``,
-    ``image_grid_thw``, ``mm_token_type_ids``...), passed to the model by name.
+    ``image_grid_thw``, ``mm_token_type_ids``...), passed to the model by name. ``images`` has
+    one item per image, in prompt order, where the arrays split per image (else it is empty).
     """
 
     input_ids: list[int]
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    arrays: dict[str, HostArray] = field(default_factory=dict)
     num_images: int = 0
+    images: tuple[ImageItem, ...] = ()
 
     @property
     def has_images(self) -> bool:

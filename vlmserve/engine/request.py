@@ -15,6 +15,7 @@ from vlmserve.engine.params import PromptInputs, SamplingParams
 
 if TYPE_CHECKING:  # no MLX here: the prefix cache module imports mlx-lm
     from vlmserve.engine.prefix_cache import PrefixCacheStats
+    from vlmserve.engine.vision_cache import VisionCacheStats
 
 
 class RequestStatus(enum.Enum):
@@ -58,9 +59,11 @@ class EngineMetrics:
     step_errors: int = 0
     prefill_batches: int = 0  # forwards that prefilled several whole prompts together
     vision_batches: int = 0  # vision forwards shared by several image prompts
+    vision_seconds: float = 0.0  # spent embedding image prompts: vision tower (or vision cache) and merge
     kv_reserved_bytes: int = 0  # what the running requests may fill (engine/memory.py)
     kv_budget_bytes: int | None = None
     prefix: PrefixCacheStats | None = None
+    vision: VisionCacheStats | None = None
 
 
 @dataclass(slots=True, frozen=True)

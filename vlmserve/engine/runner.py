@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from vlmserve.engine.batch import DecodeBatch
 from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.models import Embedded
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import HostArray, ImageItem, PromptInputs, SamplingParams
 from vlmserve.engine.sampler import RowState, Sample, sample
+from vlmserve.engine.vision_cache import VisionCache
 
 
 @dataclass(slots=True)
@@ -55,11 +57,13 @@ class PrefillState:
 class ModelRunner:
     """Prefill chunks per request and one batched decode step; owns every MLX array of a request."""
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, vision_cache: VisionCache | None = None) -> None:
         self.loaded = loaded
         self.adapter = loaded.adapter
         self.prefilling: dict[str, PrefillState] = {}
         self.batch = DecodeBatch()
+        # Only where the family's features can be computed per image (the adapter says so).
+        self.vision_cache = vision_cache if self.adapter.vision_cache else None
 
     def begin(self, request_id: str, prompt: PromptInputs, params: SamplingParams,
               cache: list[Any] | None = None, num_cached: int = 0) -> None:
@@ -76,7 +80,7 @@ class ModelRunner:
         for request_id in request_ids:
             prompt = self.prefilling[request_id].prompt
             pixels = prompt.arrays.get("pixel_values")
-            batched = pixels is not None and self.adapter.batch_embed
+            batched = isinstance(pixels, np.ndarray) and self.adapter.batch_embed and not self._caches(prompt)
             key = ("images", pixels.shape[1:]) if batched else request_id
             groups.setdefault(key, []).append(request_id)
         return list(groups.values())
@@ -84,14 +88,32 @@ class ModelRunner:
     def embed(self, request_ids: list[str]) -> None:
         """The vision tower and the merge for one group; afterwards ``prompt_length`` is known."""
         states = [self.prefilling[r] for r in request_ids]
-        arrays = [{k: mx.array(v) for k, v in s.prompt.arrays.items()} for s in states]
+        arrays = [on_device(s.prompt.arrays) for s in states]
         if len(states) == 1:
-            embedded = [self.adapter.embed(states[0].input_ids, arrays[0])]
+            prompt = states[0].prompt
+            features = self._image_features(prompt.images) if self._caches(prompt) else None
+            embedded = [self.adapter.embed(states[0].input_ids, arrays[0], features)]
         else:
             embedded = self.adapter.embed_rows([s.input_ids for s in states], arrays)
         mx.eval([e.inputs_embeds for e in embedded])
         for state, e in zip(states, embedded):
             state.embedded, state.length = e, e.inputs_embeds.shape[1]
+
+    def _caches(self, prompt: PromptInputs) -> bool:
+        return self.vision_cache is not None and bool(prompt.images)
+
+    def _image_features(self, images: tuple[ImageItem, ...]) -> mx.array:
+        """Each image's features from the vision cache, or from the tower (alone) and then cached."""
+        assert self.vision_cache is not None
+        features = []
+        for item in images:
+            cached = self.vision_cache.get(item.key)
+            if cached is None:
+                cached = self.adapter.encode_image(on_device(item.arrays))
+                mx.eval(cached)
+                self.vision_cache.put(item.key, cached)
+            features.append(cached)
+        return self.adapter.join_features(features)
 
     def prompt_length(self, request_id: str) -> int:
         """The positions a begun prompt fills: its embedding's length, which the token count may not be."""
@@ -199,3 +221,8 @@ class ModelRunner:
         for request_id in ids:
             self.prefilling.pop(request_id, None)
         self.batch.remove(ids)
+
+
+def on_device(arrays: dict[str, HostArray]) -> dict[str, Any]:
+    """Phase 1's numpy arrays as ``mx.array``s (a tuple, one array per image, as a list of them)."""
+    return {k: [mx.array(a) for a in v] if isinstance(v, tuple) else mx.array(v) for k, v in arrays.items()}

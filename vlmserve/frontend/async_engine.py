@@ -16,7 +16,8 @@ from typing import Any
 
 from PIL import Image
 
-from vlmserve.engine.core import EngineConfig, EngineCore
+from vlmserve.engine.core import EngineCore
+from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import LoadedModel, ModelLoadError, configure_process, load_model
 from vlmserve.engine.memory import KVBudget
 from vlmserve.engine.models import SUPPORTED_FAMILIES
@@ -93,10 +94,11 @@ class AsyncEngine:
         self.worker.set_stepper(self.core)
         if warmup:
             await self._warmup()
-            await self.worker.run(self.core.reset_prefix_cache)
+            await self.worker.run(self.core.reset_caches)
         probe = await asyncio.get_running_loop().run_in_executor(
             self._pool, self.prompter.build, [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
         self.kv = await self.worker.run(self.core.measure_kv, probe)
+        self._metrics = await self.worker.run(self.core.snapshot)  # not the warm-up's last step
         self.ready = True
         log.info("model %s (%s): loaded in %.2f s, warmed up in %.2f s; KV cache %.1f KiB per position, budget %.2f GiB",
                  self.name, self.loaded.model_type, loaded - began, time.perf_counter() - loaded,

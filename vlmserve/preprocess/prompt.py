@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlmserve.engine.params import PromptInputs
+from vlmserve.engine.params import HostArray, PromptInputs
 from vlmserve.preprocess.control import ControlTokens
+from vlmserve.preprocess.image_items import image_items
 from vlmserve.preprocess.template import TemplateInfo, adapt_messages, inspect_template
 
 log = logging.getLogger(__name__)
@@ -61,13 +62,11 @@ def encode(processor: Any, text: str, images: Sequence[Image.Image] = ()) -> Pro
         ids = tokenizer_of(processor)(text)["input_ids"]
         return PromptInputs(input_ids=[int(i) for i in ids])
     out = processor(text=[text], images=list(images), return_tensors="np")
-    arrays = {key: _to_numpy(value) for key, value in out.items() if key not in ("input_ids", "attention_mask")}
-    ids = _to_numpy(out["input_ids"]).reshape(-1)
-    return PromptInputs(
-        input_ids=[int(i) for i in ids],
-        arrays={k: v for k, v in arrays.items() if v is not None},
-        num_images=len(images),
-    )
+    arrays = {key: _to_host(value) for key, value in out.items() if key not in ("input_ids", "attention_mask")}
+    arrays = {k: v for k, v in arrays.items() if v is not None}
+    ids = [int(i) for i in np.asarray(out["input_ids"]).reshape(-1)]
+    return PromptInputs(input_ids=ids, arrays=arrays, num_images=len(images),
+                        images=image_items(arrays, len(images), len(ids)))
 
 
 def _without_doubled_bos(tokenizer: Any, text: str) -> str:
@@ -140,11 +139,15 @@ def _count_images(message: dict[str, Any]) -> int:
     return sum(1 for part in content if isinstance(part, dict) and part.get("type") == "image")
 
 
-def _to_numpy(value: Any) -> np.ndarray | None:
+def _to_host(value: Any) -> HostArray | None:
+    """A processor output as numpy: an array, a tuple of arrays (one per image, where their shapes
+    differ: Gemma 4), or None for what the model does not take (strings, nested metadata)."""
     # Some mlx-vlm processors (Gemma 4) return mx.arrays built from host data: no graph,
     # no stream, so reading them back to numpy here is safe on any thread.
     if value is None or isinstance(value, (str, bytes)):
         return None
+    if isinstance(value, (list, tuple)) and value and hasattr(value[0], "shape") and len(value[0].shape) > 0:
+        return tuple(np.asarray(v) for v in value)
     if isinstance(value, list) and value and not isinstance(value[0], (int, float, list)):
         return None
     return np.asarray(value)

@@ -12,6 +12,7 @@ from typing import Any
 import mlx.core as mx
 
 from vlmserve.engine.params import PromptInputs
+from vlmserve.engine.runner import on_device
 
 
 def reference_greedy(model: Any, prompt: PromptInputs, max_tokens: int) -> list[int]:
@@ -19,7 +20,7 @@ def reference_greedy(model: Any, prompt: PromptInputs, max_tokens: int) -> list[
     from mlx_vlm.generate.ar import generate_step
 
     input_ids = mx.array(prompt.input_ids, dtype=mx.int32)[None]
-    arrays = {k: mx.array(v) for k, v in prompt.arrays.items()}
+    arrays = on_device(prompt.arrays)
     pixel_values = arrays.pop("pixel_values", None)
     mask = mx.ones(input_ids.shape, dtype=mx.int32)  # the processor's attention mask for one prompt
     steps = generate_step(input_ids, model, pixel_values, mask, max_tokens=max_tokens, temperature=0.0, **arrays)

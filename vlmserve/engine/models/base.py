@@ -57,6 +57,10 @@ class ModelAdapter:
     # May image prompts admitted in one step be embedded together (one vision forward for all
     # their images)? Only where mlx-vlm's get_input_embeddings takes a padded batch (tested).
     batch_embed: ClassVar[bool] = False
+    # May one image's vision features be computed alone (``encode_image``) and handed to mlx-vlm's
+    # ``get_input_embeddings`` as ``cached_image_features`` (``join_features``)? Then the vision
+    # cache keeps them across requests (engine/vision_cache.py).
+    vision_cache: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -74,12 +78,14 @@ class ModelAdapter:
             return False
         return self.chunk_images or not prompt.has_images
 
-    def embed(self, input_ids: mx.array, arrays: dict[str, mx.array]) -> Embedded:
-        """The vision tower and the merge, as mlx-vlm's ``generate_step`` calls them."""
+    def embed(self, input_ids: mx.array, arrays: dict[str, Any], image_features: mx.array | None = None) -> Embedded:
+        """The vision tower and the merge, as mlx-vlm's ``generate_step`` calls them; with
+        ``image_features`` (from ``join_features``) the tower is skipped."""
         arrays = dict(arrays)
         pixel_values = arrays.pop("pixel_values", None)
         mask = mx.ones(input_ids.shape, dtype=mx.int32)  # one unpadded row, like the processor's
-        features = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **arrays)
+        cached = {} if image_features is None else {"cached_image_features": image_features}
+        features = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **arrays, **cached)
         extra = {k: v for k, v in features.to_dict().items() if k != "inputs_embeds" and v is not None}
         return Embedded(features.inputs_embeds, {**arrays, **extra}, self.row_state(extra))
 
@@ -101,6 +107,14 @@ class ModelAdapter:
             own = {k: v for k, v in own.items() if k != "pixel_values"}
             out.append(Embedded(row["inputs_embeds"], {**own, **extra}, self.row_state(extra)))
         return out
+
+    def encode_image(self, arrays: dict[str, mx.array]) -> mx.array:
+        """One image's features in the language model's space (vision tower and projector)."""
+        raise NotImplementedError(f"{type(self).__name__} has no vision cache")
+
+    def join_features(self, features: list[mx.array]) -> mx.array:
+        """The prompt's images' features, in order, as ``cached_image_features``."""
+        return mx.concatenate(features, axis=0)
 
     def row_state(self, features: dict[str, Any]) -> dict[str, mx.array]:
         """Per-request state decode needs on every step; none by default."""

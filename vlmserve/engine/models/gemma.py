@@ -20,6 +20,14 @@ from vlmserve.engine.params import PromptInputs
 class Gemma3Adapter(ModelAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("gemma3",)
     chunk_images: ClassVar[bool] = False
+    vision_cache: ClassVar[bool] = True
+
+    def encode_image(self, arrays: dict[str, mx.array]) -> mx.array:
+        # As mlx-vlm's Gemma 3 get_input_embeddings runs its tower: [1, tokens, hidden]
+        dtype = self.language_model.model.embed_tokens(mx.zeros((1, 1), dtype=mx.int32)).dtype
+        hidden, _, _ = self.model.vision_tower(arrays["pixel_values"].transpose(0, 2, 3, 1).astype(dtype),
+                                               output_hidden_states=True)
+        return self.model.multi_modal_projector(hidden)
 
     def can_batch(self, prompt: PromptInputs) -> bool:
         # With images, mlx-vlm hands the language model a [1, 1, L, L] mask per prompt, which
@@ -32,6 +40,15 @@ class Gemma4Adapter(ModelAdapter):
     chunk_images: ClassVar[bool] = False
     tool_format: ClassVar[str | None] = "gemma4"
     batch_embed: ClassVar[bool] = True
+    vision_cache: ClassVar[bool] = True
+
+    def encode_image(self, arrays: dict[str, mx.array]) -> mx.array:
+        pixels = arrays["pixel_values"]
+        pixels = pixels[None] if pixels.ndim == 3 else pixels  # an image of a size of its own
+        return self.model.encode_image(pixels, arrays.get("image_position_ids"))  # [1, tokens, hidden]
+
+    def join_features(self, features: list[mx.array]) -> mx.array:
+        return mx.concatenate(features, axis=1)  # scattered in order over the image tokens
 
 
 class PaliGemmaAdapter(ModelAdapter):

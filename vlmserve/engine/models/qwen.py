@@ -20,6 +20,13 @@ class MRoPEAdapter(ModelAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl", "qwen2_5_vl", "qwen3_5")
     tool_format: ClassVar[str | None] = "hermes"
     batch_embed: ClassVar[bool] = True
+    vision_cache: ClassVar[bool] = True
+
+    def encode_image(self, arrays: dict[str, mx.array]) -> mx.array:
+        # As mlx-vlm's get_input_embeddings runs the tower: [patches / merge^2, hidden]
+        tower = self.model.vision_tower
+        out = tower(arrays["pixel_values"].astype(tower.patch_embed.proj.weight.dtype), arrays["image_grid_thw"])
+        return out[0] if isinstance(out, tuple) else out  # Qwen3.5's tower also returns its DeepStack list
 
     def row_state(self, features: dict[str, Any]) -> dict[str, mx.array]:
         deltas = features.get("rope_deltas")
@@ -33,6 +40,7 @@ class Qwen3VLAdapter(MRoPEAdapter):
 
     model_types: ClassVar[tuple[str, ...]] = ("qwen3_vl",)
     batch_embed: ClassVar[bool] = False  # its DeepStack features come back as one list for the whole batch
+    vision_cache: ClassVar[bool] = False  # DeepStack: features the language model takes besides the merged ones
 
     def can_batch(self, prompt: PromptInputs) -> bool:
         # In a left-padded batch with images, mlx-vlm's DeepStack merge changed the tokens of

@@ -1,0 +1,22 @@
+"""[any] How one model's engine runs: batch and queue sizes, caches, memory, timeouts. No MLX here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vlmserve.config import DEFAULT_DTYPE
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    max_batch_size: int = 8
+    max_queue: int = 64  # requests waiting beyond the batch before submissions fail fast
+    prefill_chunk: int = 512
+    max_model_len: int | None = None  # caps the model's own context (prompt + output)
+    prefix_cache: bool = True
+    prefix_cache_entries: int = 32
+    prefix_cache_bytes: int = 1 << 30
+    dtype: str = DEFAULT_DTYPE  # the float weights' dtype when served (loader.serving_dtype)
+    kv_cache_bytes: int | None = None  # the KV budget; None: sized from the machine's memory (engine/memory.py)
+    vision_cache_bytes: int = 256 << 20  # image features kept across requests; 0: off (engine/vision_cache.py)
+    stall_timeout_s: float = 30.0  # a consumer that takes no output for this long, with outputs waiting, is aborted
