@@ -12,7 +12,7 @@ import mlx.nn as nn
 
 from vlmserve.engine.models.base import Embedded, ModelAdapter
 from vlmserve.engine.models.gemma import Gemma3Adapter, Gemma4Adapter, PaliGemmaAdapter
-from vlmserve.engine.models.llava import LlavaNextAdapter
+from vlmserve.engine.models.llava import LlavaAdapter, LlavaNextAdapter
 from vlmserve.engine.models.mistral import MistralAdapter
 from vlmserve.engine.models.qwen import MRoPEAdapter, Qwen3VLAdapter
 
@@ -25,16 +25,12 @@ class BatchEmbedAdapter(ModelAdapter):
 
 
 _ADAPTERS: tuple[type[ModelAdapter], ...] = (
-    Gemma3Adapter, Gemma4Adapter, PaliGemmaAdapter, MRoPEAdapter, Qwen3VLAdapter, MistralAdapter, LlavaNextAdapter,
-    BatchEmbedAdapter,
+    Gemma3Adapter, Gemma4Adapter, PaliGemmaAdapter, MRoPEAdapter, Qwen3VLAdapter, MistralAdapter, LlavaAdapter,
+    LlavaNextAdapter, BatchEmbedAdapter,
 )  # fmt: skip
 
-# Families served by the default adapter as they are; every one is tested here.
-DEFAULT_FAMILIES = ("llava",)
-
-SUPPORTED_FAMILIES: tuple[str, ...] = tuple(
-    sorted({*DEFAULT_FAMILIES, *(t for a in _ADAPTERS for t in a.model_types)})
-)
+# Every family with an adapter is tested here; others go through the default, untested.
+SUPPORTED_FAMILIES: tuple[str, ...] = tuple(sorted({t for a in _ADAPTERS for t in a.model_types}))
 
 
 class UnsupportedModelError(RuntimeError):
