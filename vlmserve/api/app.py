@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse, Response
 
 from vlmserve.api.chat import create_chat_completion
 from vlmserve.api.errors import APIError, install_error_handlers, log_rejection
+from vlmserve.api.responses import create_response
+from vlmserve.api.responses_input import ResponsesRequest
 from vlmserve.api.schemas import ChatCompletionRequest
 from vlmserve.api.state import ServerState
 
@@ -80,14 +82,24 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "vlmserve"}
+
     @app.get("/v1/models", dependencies=[auth])
     async def models() -> dict[str, Any]:
-        data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "vlmserve"} for m in state.models]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [card(m.name) for m in state.models]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[auth])
+    async def model(model_id: str) -> dict[str, Any]:
+        return card(state.model(model_id).name)
 
     @app.post("/v1/chat/completions", dependencies=[auth])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(body, request, state)
+
+    @app.post("/v1/responses", dependencies=[auth])
+    async def responses(body: ResponsesRequest, request: Request) -> Any:
+        return await create_response(body, request, state)
 
 
 def _engine_status(engine: Any) -> str:

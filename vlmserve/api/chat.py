@@ -46,7 +46,7 @@ def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str):  # noq
 
 
 @dataclass(slots=True)
-class _Call:
+class Call:
     """One chat request in flight: what the response needs, and its timing for logs and metrics."""
 
     state: ServerState
@@ -79,6 +79,23 @@ class _Call:
 
 
 async def create_chat_completion(req: ChatCompletionRequest, http: Request, state: ServerState) -> Any:
+    opened = await open_call(req, http, state, f"chatcmpl-{uuid.uuid4().hex}")
+    if opened is None:
+        return JSONResponse({}, status_code=499)  # nobody is listening; the request is aborted
+    call, first, stream = opened
+    if req.stream:
+        return StreamingResponse(_sse(call, first, stream), media_type="text/event-stream", headers=SSE_HEADERS)
+    response = await until_done_or_disconnect(http, _complete(call, first, stream), stream)
+    return JSONResponse({}, status_code=499) if response is GONE else response
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def open_call(req: ChatCompletionRequest, http: Request, state: ServerState,
+                    request_id: str) -> tuple[Call, RequestOutput, AsyncIterator[RequestOutput]] | None:
+    """Submit a chat request and wait for its first output (so that errors are still statuses);
+    None when the client went away first (the request is aborted)."""
     if state.draining:
         raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
                        None, "shutting_down")
@@ -87,54 +104,53 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, stat
     params = to_sampling_params(req, state.default_max_tokens)
     if chat.tools and served.tool_parser:
         params = dataclasses.replace(params, skip_special_tokens=False)  # the parser needs the markers
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
     engine = served.engine
     builder = ChoiceBuilder(request_id, served.name, engine.loaded.tokenizer if engine.loaded else None,
                             served.tool_parser, chat.tools, engine.opens_reasoning)
-    call = _Call(state, served, req, builder, time.perf_counter())
+    call = Call(state, served, req, builder, time.perf_counter())
     stream = engine.generate(request_id, prompt_factory(chat, state.media, request_id), params)
-    first = await _until_done_or_disconnect(http, _first_output(stream, call), stream)
-    if first is _GONE:
-        return JSONResponse({}, status_code=499)  # nobody is listening; the request is aborted
-    if req.stream:
-        return StreamingResponse(_sse(call, first, stream), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    response = await _until_done_or_disconnect(http, _complete(call, first, stream), stream)
-    return JSONResponse({}, status_code=499) if response is _GONE else response
+    first = await until_done_or_disconnect(http, _first_output(stream, call), stream)
+    return None if first is GONE else (call, first, stream)
 
 
-async def _first_output(stream: AsyncIterator[RequestOutput], call: _Call) -> RequestOutput:
+async def _first_output(stream: AsyncIterator[RequestOutput], call: Call) -> RequestOutput:
     """Wait for the first output so that anything before a token can still be a proper status code."""
     try:
         first = await stream.__anext__()
     except (ImageError, PromptError) as exc:
         code = "invalid_image" if isinstance(exc, ImageError) else None
-        raise _failed(call, bad_request(str(exc), "messages", code)) from None
+        raise failed(call, bad_request(str(exc), "messages", code)) from None
     except PromptTooLongError as exc:
-        raise _failed(call, bad_request(str(exc), "messages", "context_length_exceeded")) from None
+        raise failed(call, bad_request(str(exc), "messages", "context_length_exceeded")) from None
     except OverBudgetError as exc:
-        raise _failed(call, bad_request(str(exc), "max_tokens", "kv_budget_exceeded")) from None
+        raise failed(call, bad_request(str(exc), "max_tokens", "kv_budget_exceeded")) from None
     except EngineOverloadedError as exc:
-        raise _failed(call, APIError(429, str(exc), "rate_limit_error", None, "overloaded")) from None
+        raise failed(call, APIError(429, str(exc), "rate_limit_error", None, "overloaded")) from None
     except EngineNotReadyError as exc:
-        raise _failed(call, APIError(503, str(exc), "service_unavailable", None, "not_ready")) from None
+        raise failed(call, APIError(503, str(exc), "service_unavailable", None, "not_ready")) from None
     if first.finish_reason == "error":
-        raise _failed(call, _engine_fault(call.builder.id, first.error))
+        raise failed(call, engine_fault(call.builder.id, first.error))
     call.observe(first)
     return first
 
 
-def _failed(call: _Call, error: APIError) -> APIError:
+def failed(call: Call, error: APIError) -> APIError:
     call.done(f"error_{error.status}", f" code={error.code or '-'}: {error.message[:200]}")
     error.logged = True  # the request's own line says it; the error handler need not
     return error
 
 
-def _engine_fault(request_id: str, message: str | None) -> APIError:
+def engine_fault(request_id: str, message: str | None) -> APIError:
     return APIError(500, f"request {request_id} failed in the engine: {message}", "server_error", None, "engine_error")
 
 
-async def _complete(call: _Call, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> JSONResponse:
+async def _complete(call: Call, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> JSONResponse:
+    await run_to_end(call, first, stream)
+    return JSONResponse(call.builder.response(call.finish, bool(call.req.logprobs)))
+
+
+async def run_to_end(call: Call, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """Every output through the call's builder; sets ``call.finish`` and logs the request."""
     try:
         out = first
         call.builder.step(out)
@@ -143,18 +159,18 @@ async def _complete(call: _Call, first: RequestOutput, stream: AsyncIterator[Req
             call.observe(out)
             call.builder.step(out)
         if out.finish_reason == "error":
-            raise _failed(call, _engine_fault(call.builder.id, out.error))
+            raise failed(call, engine_fault(call.builder.id, out.error))
         call.finish = call.builder.finish_reason(out.finish_reason)
         call.done(call.finish)
-        return JSONResponse(call.builder.response(call.finish, bool(call.req.logprobs)))
+        return out
     finally:
         await stream.aclose()
 
 
-_GONE = object()  # the client disconnected
+GONE = object()  # the client disconnected
 
 
-async def _until_done_or_disconnect(http: Request, work, stream: AsyncIterator[RequestOutput]) -> Any:  # noqa: ANN001
+async def until_done_or_disconnect(http: Request, work, stream: AsyncIterator[RequestOutput]) -> Any:  # noqa: ANN001
     """Await ``work`` unless the client goes away first: then cancel it and abort the request."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(http))
@@ -165,7 +181,7 @@ async def _until_done_or_disconnect(http: Request, work, stream: AsyncIterator[R
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await stream.aclose()  # aborts on the worker at its next step
-        return _GONE
+        return GONE
     finally:
         watcher.cancel()
 
@@ -175,7 +191,7 @@ async def _disconnected(http: Request) -> None:
         pass
 
 
-async def _sse(call: _Call, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+async def _sse(call: Call, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     b = call.builder
     status = "disconnected"
     try:
@@ -184,7 +200,7 @@ async def _sse(call: _Call, first: RequestOutput, stream: AsyncIterator[RequestO
         while out is not None:
             if out.finish_reason == "error":
                 status = "error"
-                yield _event(_engine_fault(b.id, out.error).body())
+                yield _event(engine_fault(b.id, out.error).body())
                 break
             for chunk in _chunks(b, out, call):
                 yield _event(chunk)
@@ -199,7 +215,7 @@ async def _sse(call: _Call, first: RequestOutput, stream: AsyncIterator[RequestO
         await stream.aclose()
 
 
-def _chunks(b: ChoiceBuilder, out: RequestOutput, call: _Call) -> list[dict[str, Any]]:
+def _chunks(b: ChoiceBuilder, out: RequestOutput, call: Call) -> list[dict[str, Any]]:
     delta = b.step(out)
     chunks = []
     if delta:

@@ -54,6 +54,11 @@ class ChoiceBuilder:
         self.usage = _usage(out)
         return delta
 
+    @property
+    def calls(self) -> list[Any]:
+        """The tool calls parsed so far (``ToolCall``: name, arguments_json, id)."""
+        return self._parser.calls if self._parser else []
+
     def finish_reason(self, engine_reason: str | None) -> str:
         if self._parser is not None and self._parser.has_tool_calls:
             return "tool_calls"
@@ -74,7 +79,7 @@ class ChoiceBuilder:
         message: dict[str, Any] = {"role": "assistant", "content": self.content or None}
         if self.reasoning:
             message["reasoning_content"] = self.reasoning
-        calls = self._parser.calls if self._parser else []
+        calls = self.calls
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
         else:
