@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from vlmserve.api.errors import APIError, bad_request
-from vlmserve.api.messages import ChatInput, to_chat_input, to_sampling_params
+from vlmserve.api.messages import ChatInput, guide_spec, to_chat_input, to_sampling_params
 from vlmserve.api.openai_format import ChoiceBuilder
 from vlmserve.api.schemas import ChatCompletionRequest
 from vlmserve.api.state import ServedModel, ServerState
@@ -28,6 +28,7 @@ from vlmserve.frontend.async_engine import (
     PromptTooLongError,
 )
 from vlmserve.frontend.output import RequestOutput
+from vlmserve.preprocess.guided import GuideError
 from vlmserve.preprocess.images import ImageError
 from vlmserve.preprocess.media import MediaPolicy, load_image_source
 from vlmserve.preprocess.prompt import PromptBuilder, PromptError
@@ -105,6 +106,12 @@ async def open_call(req: ChatCompletionRequest, http: Request, state: ServerStat
     if chat.tools and served.tool_parser:
         params = dataclasses.replace(params, skip_special_tokens=False)  # the parser needs the markers
     engine = served.engine
+    wanted = guide_spec(req, served.tool_parser)
+    if wanted is not None:
+        try:
+            params = dataclasses.replace(params, guide=await engine.guide(wanted[0]))
+        except (GuideError, ValueError) as exc:
+            raise bad_request(f"{wanted[1]}: {exc}", wanted[1], "invalid_grammar") from None
     builder = ChoiceBuilder(request_id, served.name, engine.loaded.tokenizer if engine.loaded else None,
                             served.tool_parser, chat.tools, engine.opens_reasoning)
     call = Call(state, served, req, builder, time.perf_counter())

@@ -10,6 +10,7 @@ from vlmserve.api.errors import bad_request
 from vlmserve.api.limits import check_json
 from vlmserve.api.schemas import ChatCompletionRequest, ImagePart, Message, NamedToolChoice
 from vlmserve.engine.params import SamplingParams
+from vlmserve.preprocess.guided import GuideSpec
 
 JSON_INSTRUCTION = "Respond only with a single valid JSON object."
 REQUIRED_TOOL_INSTRUCTION = "You must answer by calling one of the available tools."
@@ -112,6 +113,31 @@ def _instructions(req: ChatCompletionRequest) -> str:
     if req.tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)):
         lines.append(REQUIRED_TOOL_INSTRUCTION)
     return " ".join(lines)
+
+
+def guide_spec(req: ChatCompletionRequest, tool_format: str | None) -> tuple[GuideSpec, str] | None:
+    """What to constrain the output to, and the parameter that asked: a forced tool call first, then
+    ``structured_outputs``, then ``response_format``."""
+    forced = req.tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
+    if forced and tool_format:
+        return GuideSpec("tool_call", {"format": tool_format, "tools": _tools_for_template(req)}), "tool_choice"
+    so = req.structured_outputs
+    if so is not None:
+        given = {k: v for k, v in so.model_dump().items() if v is not None}
+        if len(given) != 1:
+            raise bad_request("structured_outputs: give exactly one of json, regex, choice, grammar",
+                              "structured_outputs")
+        (kind, value), = given.items()
+        if kind == "json_schema":
+            check_json(value, "structured_outputs.json")
+        return GuideSpec(kind, value), "structured_outputs"
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_schema":
+        schema = (fmt.json_schema or {}).get("schema")
+        return (GuideSpec("json_schema", schema) if schema else GuideSpec("json_object")), "response_format"
+    if fmt is not None and fmt.type == "json_object":
+        return GuideSpec("json_object"), "response_format"
+    return None
 
 
 def to_sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:

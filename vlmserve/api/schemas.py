@@ -120,3 +120,13 @@ class ChatCompletionRequest(_Lenient):
     # Extensions, as vLLM and mlx-lm name them.
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+
+class StructuredOutputs(_Lenient):
+    """vLLM's extension: constrain the output to one of these (exactly one)."""
+
+    json_schema: dict[str, Any] | None = Field(default=None, alias="json")  # a JSON schema ("json": BaseModel's name)
+    regex: str | None = Field(default=None, max_length=10_000)
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=1_000)
+    grammar: str | None = Field(default=None, max_length=100_000)  # Lark, as llguidance reads it

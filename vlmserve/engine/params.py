@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+
+
+@dataclass(slots=True, frozen=True)
+class Guide:
+    """A compiled grammar that constrains one request's output (preprocess/guided.py). ``template``
+    is an llguidance ``LLMatcher`` in its start state, compiled once per grammar and copied for each
+    request on the worker; it holds no MLX."""
+
+    name: str  # what it constrains to, for errors and logs ("json_schema", "tool_call get_weather"...)
+    template: Any = field(compare=False, repr=False)
 
 
 @dataclass(slots=True, frozen=True)
@@ -26,6 +37,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True  # False keeps tool-call markers in the text for the parser
+    guide: Guide | None = None  # constrained decoding: only tokens the grammar allows
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from vlmserve.engine import guided
 from vlmserve.engine.batch import DecodeBatch
 from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.models import Embedded
@@ -162,7 +163,8 @@ class ModelRunner:
         for state in states:
             state.embedded = None  # the vision features are in the KV now; free them
             state.sampling = RowState.create(state.params, state.prompt.input_ids)
-        sampled = sample(logits, [s.sampling for s in states])
+        rows = [s.sampling for s in states]
+        sampled = sample(logits, rows, allowed=guided.allowed(rows, logits.shape[-1]))
         firsts = [sampled.read(i) for i in range(len(states))]
         for state, first in zip(states, firsts):
             state.first_token = first.token_id
@@ -210,8 +212,10 @@ class ModelRunner:
         """
         batch = self.batch
         assert batch.cache is not None and batch.tokens is not None
+        if guided.guided(batch.sampling):  # the grammars need this step's inputs now: no pipelining
+            guided.consume(batch.sampling, batch.tokens.tolist())
         logits = self.adapter.decode(batch.tokens[:, None], batch.cache, batch.row_state)
-        step = sample(logits, batch.sampling, batch.tokens)
+        step = sample(logits, batch.sampling, batch.tokens, guided.allowed(batch.sampling, logits.shape[-1]))
         mx.async_eval(*step.arrays())
         return batch.advance(step)
 

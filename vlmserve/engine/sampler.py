@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
@@ -26,12 +27,14 @@ class RowState:
     params: SamplingParams
     key: mx.array | None = None
     history: mx.array | None = None  # the last PENALTY_CONTEXT tokens, for penalties only
+    matcher: Any = None  # constrained decoding: this request's own copy of its grammar's matcher (engine/guided.py)
 
     @classmethod
     def create(cls, params: SamplingParams, context: Sequence[int]) -> RowState:
         key = mx.random.key(params.seed) if params.seed is not None else None
         history = mx.array(list(context[-PENALTY_CONTEXT:]), dtype=mx.int32) if params.needs_history else None
-        return cls(params, key, history)
+        matcher = params.guide.template.deep_copy() if params.guide is not None else None
+        return cls(params, key, history, matcher)
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,12 +79,16 @@ class SampledBatch:
         return Sample(token, TokenLogprob(token, self._values[1][row], top))
 
 
-def sample(logits: mx.array, rows: Sequence[RowState], inputs: mx.array | None = None) -> SampledBatch:
+def sample(logits: mx.array, rows: Sequence[RowState], inputs: mx.array | None = None,
+           allowed: mx.array | None = None) -> SampledBatch:
     """Pick one token per row of ``logits`` (``[B, vocab]``), lazily; ``inputs`` (decode) are the tokens
-    just fed, which join each penalised row's history first."""
+    just fed, which join each penalised row's history first; ``allowed`` (``[B, vocab]`` bool, from
+    constrained decoding) rules the other tokens out."""
     assert logits.shape[0] == len(rows)
     if any(r.params.needs_history for r in rows):
         logits = mx.concatenate([_penalize(logits[i], r, inputs, i)[None] for i, r in enumerate(rows)])
+    if allowed is not None:
+        logits = mx.where(allowed, logits, -math.inf)
     wants = tuple((1 + r.params.top_logprobs) if r.params.logprobs else 0 for r in rows)
     if all(r.params.greedy for r in rows):
         tokens = mx.argmax(logits, axis=-1)

@@ -21,10 +21,11 @@ from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import LoadedModel, ModelLoadError, configure_process, load_model
 from vlmserve.engine.memory import KVBudget
 from vlmserve.engine.models import SUPPORTED_FAMILIES
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import Guide, PromptInputs, SamplingParams
 from vlmserve.engine.request import AbortRequest, AddRequest, EngineMetrics, StepOutput, StepOutputs
 from vlmserve.engine.worker import MLXWorkerThread
 from vlmserve.frontend.output import OutputProcessor, RequestOutput
+from vlmserve.preprocess.guided import GuideCompiler, GuideSpec
 from vlmserve.preprocess.prompt import PromptBuilder, PromptError, templater_of
 from vlmserve.tools import select_parser
 
@@ -66,6 +67,7 @@ class AsyncEngine:
         self.loaded: LoadedModel | None = None
         self.prompter: PromptBuilder | None = None
         self.tool_format: str | None = None  # the tool-call syntax this model speaks
+        self.guides: GuideCompiler | None = None  # constrained decoding's grammars, compiled per model
         self.core: EngineCore | None = None
         self.kv: KVBudget | None = None  # measured after the warm-up
         self.ready = False
@@ -90,6 +92,7 @@ class AsyncEngine:
         self.prompter = await asyncio.get_running_loop().run_in_executor(
             self._pool, PromptBuilder.for_processor, self.loaded.processor)
         self.tool_format = self._tool_format()
+        self.guides = GuideCompiler(self.loaded.tokenizer, self.loaded.eos_token_ids)
         self.core = EngineCore(self.loaded, self.worker, self._publish_threadsafe, self.config)
         self.worker.set_stepper(self.core)
         if warmup:
@@ -212,6 +215,11 @@ class AsyncEngine:
             self._busy_since.pop(request_id, None)
             if submitted and not engine_done:
                 self.abort(request_id)  # disconnect, break or stop string: the worker frees the slot
+
+    async def guide(self, spec: GuideSpec) -> Guide:
+        """The compiled grammar for ``spec`` (on the pool; cached per model); GuideError if invalid."""
+        self._check_alive()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.guides.compile, spec)
 
     def abort(self, request_id: str) -> None:
         """Non-blocking, from any thread: the worker applies it at its next iteration."""

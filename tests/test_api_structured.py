@@ -1,0 +1,140 @@
+"""Constrained decoding through the real server and the openai SDK on the demo model: JSON schemas,
+JSON objects, regexes and choices, and forced tool calls always come out valid."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from conftest import running_engine
+from pydantic import BaseModel, Field
+from server_utils import start_server
+
+from vlmserve.config import DEFAULT_MODEL_NAME
+from vlmserve.engine.params import SamplingParams
+from vlmserve.preprocess.guided import GuideSpec
+from vlmserve.testing.demo.dialogues import WEATHER_TOOL
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "assets" / "example.png"
+IMAGE_URL = "data:image/png;base64," + base64.b64encode(EXAMPLE.read_bytes()).decode()
+
+
+class Shape(BaseModel):
+    shape: Literal["circle", "square", "triangle", "star"]
+    colour: Literal["red", "green", "blue", "yellow", "purple"]
+    count: int = Field(ge=0, le=9)
+
+
+STRICT = {**Shape.model_json_schema(), "additionalProperties": False}  # else any extra key may follow
+
+
+def _ask(text: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE_URL}},
+                                         {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    server = start_server([], tmp_path_factory.mktemp("structured") / "server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(demo) -> openai.OpenAI:
+    return openai.OpenAI(base_url=demo.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_parse_returns_a_schema_valid_object_ten_of_ten(client):
+    for seed in range(10):
+        r = client.chat.completions.parse(model=DEFAULT_MODEL_NAME, messages=_ask("Describe one shape as JSON."),
+                                          response_format=Shape, temperature=1.0, seed=seed, max_tokens=80)
+        assert isinstance(r.choices[0].message.parsed, Shape), r.choices[0].message.content
+
+
+def test_the_sdk_stream_parses_the_same_object(client):
+    kwargs = {"model": DEFAULT_MODEL_NAME, "messages": _ask("Describe one shape as JSON."), "response_format": Shape,
+              "temperature": 0, "max_tokens": 80}
+    whole = client.chat.completions.parse(**kwargs).choices[0].message.parsed
+    with client.chat.completions.stream(**kwargs) as stream:
+        streamed = stream.get_final_completion().choices[0].message.parsed
+    assert isinstance(streamed, Shape) and streamed == whole
+
+
+def test_json_object_regex_and_choice(client):
+    # Any object: the demo model, which never saw JSON, writes a key that never ends; the object opens,
+    # and whatever it finishes parses.
+    r = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("Answer in JSON."), max_tokens=60,
+                                       response_format={"type": "json_object"}, temperature=0)
+    content = r.choices[0].message.content
+    assert content.startswith('{"')
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    r = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("Describe one."), max_tokens=80,
+                                       temperature=0, extra_body={"structured_outputs": {"json": STRICT}})
+    Shape.model_validate_json(r.choices[0].message.content)
+    r = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("How many shapes?"), max_tokens=10,
+                                       temperature=0, extra_body={"structured_outputs": {"regex": "[0-9]{1,2} shapes"}})
+    assert re.fullmatch(r"[0-9]{1,2} shapes", r.choices[0].message.content)
+    r = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("Is there a star?"), max_tokens=10,
+                                       temperature=0, extra_body={"structured_outputs": {"choice": ["maybe", "nope"]}})
+    assert r.choices[0].message.content in ("maybe", "nope") and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_call_always_comes_with_schema_valid_arguments(client, choice):
+    for seed in range(3):  # a prompt the model would answer in words: the call comes anyway
+        r = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("Describe this image."),
+                                           tools=[WEATHER_TOOL], tool_choice=choice, temperature=1.0, seed=seed,
+                                           max_tokens=60)
+        (call,) = r.choices[0].message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+        assert isinstance(args["location"], str) and args.get("unit", "celsius") in ("celsius", "fahrenheit")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+])
+def test_a_grammar_that_cannot_compile_is_a_400_naming_it(demo, extra, param):
+    body = {"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], **extra}
+    r = httpx.post(demo.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_constrained_row_leaves_its_unconstrained_batch_neighbour_unchanged(gemma4_micro):
+    text = [{"role": "user", "content": "Tell me a story about shapes."}]
+    free = SamplingParams(max_tokens=16, ignore_eos=True)
+
+    async def tokens(engine, rid, params):
+        out = []
+        async for step in engine.generate_chat(rid, text, [], None, params):
+            out += step.token_ids
+        return out
+
+    async def run():
+        async with running_engine(gemma4_micro, max_batch_size=4) as engine:
+            alone = await tokens(engine, "alone", free)
+            guide = await engine.guide(GuideSpec("json_schema", Shape.model_json_schema()))
+            bound = SamplingParams(max_tokens=40, guide=guide)
+            together = await asyncio.gather(tokens(engine, "free", free), tokens(engine, "bound", bound))
+            stats = await engine.stats()
+            return alone, together, stats, engine.loaded.tokenizer
+
+    alone, (free_tokens, bound_tokens), stats, tokenizer = asyncio.run(run())
+    assert free_tokens == alone
+    assert stats.steps > 0
+    text_out = tokenizer.decode(bound_tokens, skip_special_tokens=True)
+    if len(bound_tokens) < 40:  # finished by itself: the JSON is complete and valid
+        Shape.model_validate_json(text_out)

@@ -1,0 +1,104 @@
+"""[pool] Grammars for constrained decoding, compiled once per model and schema (llguidance).
+
+What a request asks for becomes one llguidance grammar: a JSON schema (``response_format``
+json_schema, or any object for json_object), a regex or a choice list (the ``structured_outputs``
+extension, as vLLM names it), a Lark grammar, or a tool call in the model's own syntax
+(``tool_choice`` required or named: preprocess/tool_grammar.py). Each grammar is validated
+against the model's tokenizer (an invalid one is the client's 400) and kept, as a matcher in its
+start state, in a small LRU: the worker copies it for each request.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from vlmserve.engine.params import Guide
+
+CACHED_GRAMMARS = 64
+
+
+def tidy_json(schema: Any) -> Any:
+    """The schema, written as models write JSON (``", "`` and ``": "``) and with no other whitespace:
+    a weak model can not wander into endless blank space inside a constrained object."""
+    if not isinstance(schema, dict):
+        return schema
+    style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return {**schema, "x-guidance": {**style, **schema.get("x-guidance", {})}}
+
+
+class GuideError(ValueError):
+    """The grammar cannot be compiled (the API answers 400 naming the problem)."""
+
+
+@dataclass(slots=True, frozen=True)
+class GuideSpec:
+    """What the client asked to constrain to: ``kind`` json_schema | json_object | regex | choice |
+    grammar | tool_call, and its value (for a tool call: ``{"format", "tools"}``)."""
+
+    kind: str
+    value: Any = None
+
+    @property
+    def key(self) -> str:
+        return self.kind + ":" + json.dumps(self.value, sort_keys=True, ensure_ascii=False)
+
+
+class GuideCompiler:
+    """One model's grammars: its llguidance tokenizer (built on first use, ~1 s for a large vocabulary)."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+        self._tokenizer, self._eos = tokenizer, sorted(eos_token_ids)
+        self._lock = threading.Lock()
+        self._ll: Any = None
+        self._cache: OrderedDict[str, Guide] = OrderedDict()
+
+    def compile(self, spec: GuideSpec) -> Guide:
+        with self._lock:  # pool threads share the tokenizer and the cache
+            cached = self._cache.get(spec.key)
+            if cached is not None:
+                self._cache.move_to_end(spec.key)
+                return cached
+            guide = self._compile(spec)
+            self._cache[spec.key] = guide
+            if len(self._cache) > CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+            return guide
+
+    def _compile(self, spec: GuideSpec) -> Guide:
+        import llguidance
+
+        grammar = self._grammar(spec)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._ll_tokenizer())
+        if error:
+            raise GuideError(f"cannot constrain to this {spec.kind.replace('_', ' ')}: {error.strip()}")
+        return Guide(spec.kind, llguidance.LLMatcher(self._ll_tokenizer(), grammar))
+
+    def _grammar(self, spec: GuideSpec) -> str:
+        from llguidance import LLMatcher
+
+        if spec.kind == "json_schema":
+            return LLMatcher.grammar_from_json_schema(tidy_json(spec.value))
+        if spec.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema(tidy_json({"type": "object"}))
+        if spec.kind == "regex":
+            return LLMatcher.grammar_from_regex(spec.value)
+        if spec.kind == "choice":
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.value))
+        if spec.kind == "grammar":
+            return LLMatcher.grammar_from_lark(spec.value)
+        if spec.kind == "tool_call":
+            from vlmserve.preprocess.tool_grammar import tool_call_lark
+
+            return LLMatcher.grammar_from_lark(tool_call_lark(spec.value["format"], spec.value["tools"], self._tokenizer))
+        raise GuideError(f"unknown constraint {spec.kind!r}")
+
+    def _ll_tokenizer(self) -> Any:
+        if self._ll is None:
+            import llguidance.hf
+
+            self._ll = llguidance.hf.from_tokenizer(self._tokenizer, eos_token=self._eos)
+        return self._ll

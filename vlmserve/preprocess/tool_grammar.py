@@ -1,0 +1,129 @@
+"""[pool] ``tool_choice`` required or named, as a Lark grammar over the model's own tool-call syntax.
+
+- Hermes (Qwen, and every template vlmserve writes tools for): ``<tool_call>`` a JSON object with
+  ``name`` and ``arguments`` (the tool's schema, via llguidance's ``%json``) ``</tool_call>``;
+- Mistral: ``[TOOL_CALLS]NAME[ARGS]{json}`` (3.2), or ``[TOOL_CALLS][{"name", "arguments"}]`` (3.1,
+  whose tokenizer has no ``[ARGS]``);
+- Gemma 4: ``<|tool_call>call:NAME{key:value,...}<tool_call|>`` in Gemma's own argument syntax:
+  properties in the schema's order, required ones first; strings quoted with ``<|"|>`` or, as
+  quantized Gemma 4 often writes them, with ``'`` or ``"`` (the parser repairs those).
+
+A marker that is one special token of the tokenizer is written by id (``<[id]>``): llguidance never
+matches special tokens against text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from vlmserve.tools import gemma4, hermes, mistral
+from vlmserve.tools.registry import ALIASES
+
+_NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"
+_INTEGER = r"/-?(0|[1-9][0-9]*)/"
+
+
+def tool_call_lark(fmt: str, tools: list[dict[str, Any]], tokenizer: Any) -> str:
+    """The grammar of exactly one call to one of ``tools`` (chat-format tool definitions)."""
+    fmt = ALIASES.get(fmt, fmt)
+    functions = [t["function"] for t in tools]
+    writer = {"hermes": _hermes, "mistral": _mistral, "gemma4": _gemma4}.get(fmt)
+    if writer is None:
+        raise ValueError(f"no grammar for the tool-call format {fmt!r}")
+    return writer(functions, _Markers(tokenizer))
+
+
+class _Markers:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.special = set(getattr(tokenizer, "all_special_tokens", None) or ())
+        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.special |= {t.content for t in decoder.values() if getattr(t, "special", False)}
+
+    def has(self, text: str) -> bool:
+        return text in self.special
+
+    def __call__(self, text: str) -> str:
+        if text in self.special:
+            return f"<[{self.tokenizer.convert_tokens_to_ids(text)}]>"
+        return json.dumps(text)
+
+
+def _schema(function: dict[str, Any]) -> str:
+    from vlmserve.preprocess.guided import tidy_json
+
+    return json.dumps(tidy_json(function.get("parameters") or {"type": "object"}))
+
+
+def _choice(rules: list[str]) -> str:
+    return " | ".join(rules)
+
+
+def _hermes(functions: list[dict[str, Any]], mark: _Markers) -> str:
+    lines = [f'start: {mark(hermes.START)} "\\n" call "\\n" {mark(hermes.END)}',
+             f"call: {_choice([f'call_{i}' for i in range(len(functions))])}"]
+    for i, f in enumerate(functions):
+        head = json.dumps('{"name": ' + json.dumps(f["name"]) + ', "arguments": ')
+        lines.append(f'call_{i}: {head} args_{i} "}}"')
+        lines.append(f"args_{i}: %json {_schema(f)}")
+    return "\n".join(lines)
+
+
+def _mistral(functions: list[dict[str, Any]], mark: _Markers) -> str:
+    lines = [f"start: {mark(mistral.START)} call", f"call: {_choice([f'call_{i}' for i in range(len(functions))])}"]
+    for i, f in enumerate(functions):
+        if mark.has("[ARGS]"):
+            lines.append(f"call_{i}: {json.dumps(f['name'])} {mark('[ARGS]')} args_{i}")
+        else:
+            head = json.dumps('[{"name": ' + json.dumps(f["name"]) + ', "arguments": ')
+            lines.append(f'call_{i}: {head} args_{i} "}}]"')
+        lines.append(f"args_{i}: %json {_schema(f)}")
+    return "\n".join(lines)
+
+
+def _gemma4(functions: list[dict[str, Any]], mark: _Markers) -> str:
+    writer = _GemmaArgs(mark)
+    calls = [f'"call:" {json.dumps(f["name"])} {writer.value(f.get("parameters") or {"type": "object"})}'
+             for f in functions]
+    lines = [f"start: {mark(gemma4.START)} call {mark(gemma4.END)}", f"call: {_choice([f'({c})' for c in calls])}"]
+    return "\n".join(lines + writer.rules)
+
+
+class _GemmaArgs:
+    """JSON schema -> Gemma 4 argument grammar: bare keys, ``<|"|>``-quoted strings."""
+
+    def __init__(self, mark: _Markers) -> None:
+        q = mark(gemma4.QUOTE)
+        self.rules = [f"gstr: {q} /[^\\n]*/ {q} | \"'\" /[^'\\n]*/ \"'\" | \"\\\"\" /[^\\\"\\n]*/ \"\\\"\""]
+        self.quote = q
+
+    def value(self, schema: dict[str, Any], depth: int = 0) -> str:
+        kind = schema.get("type")
+        if "enum" in schema and all(isinstance(e, str) for e in schema["enum"]):
+            words = _choice([json.dumps(e) for e in schema["enum"]])
+            return f"({self.quote} ({words}) {self.quote} | \"'\" ({words}) \"'\")"
+        if kind == "object" and depth < 8:
+            return self._object(schema, depth)
+        if kind == "array" and depth < 8:
+            item = self.value(schema.get("items") or {"type": "string"}, depth + 1)
+            return f'"[" ({item} ("," {item})*)? "]"'
+        if kind == "integer":
+            return _INTEGER
+        if kind == "number":
+            return _NUMBER
+        if kind == "boolean":
+            return '("true" | "false")'
+        return "gstr"
+
+    def _object(self, schema: dict[str, Any], depth: int) -> str:
+        props = schema.get("properties") or {}
+        required = [k for k in props if k in set(schema.get("required") or ())]
+        pairs = [(f"{json.dumps(k + ':')} {self.value(props[k], depth + 1)}", k in required)
+                 for k in [*required, *(k for k in props if k not in required)]]
+        if not pairs:
+            return '"{" "}"'
+        (head, head_required), rest = pairs[0], pairs[1:]
+        tail = " ".join(f'("," {p})' + ("" if req else "?") for p, req in rest)
+        body = f"{head} {tail}".strip()
+        return f'"{{" {body if head_required else f"({body})?"} "}}"'
