@@ -138,3 +138,34 @@ def test_a_constrained_row_leaves_its_unconstrained_batch_neighbour_unchanged(ge
     text_out = tokenizer.decode(bound_tokens, skip_special_tokens=True)
     if len(bound_tokens) < 40:  # finished by itself: the JSON is complete and valid
         Shape.model_validate_json(text_out)
+
+
+def test_two_calls_in_one_turn_stream_as_two_whole_calls(client, demo):
+    """A grammar makes the demo model write two Gemma 4 calls; the SDK's own accumulator sees two
+    whole calls, and no chunk carries two entries of one index."""
+    from transformers import AutoTokenizer  # the ids of the markers
+
+    from vlmserve.config import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    start, end, quote = (f"<[{tokenizer.convert_tokens_to_ids(t)}]>" for t in ("<|tool_call>", "<tool_call|>", '<|"|>'))
+
+    def call(city: str) -> str:
+        return f'{start} "call:get_weather{{location:" {quote} "{city}" {quote} ",unit:" {quote} "celsius" {quote} "}}" {end}'
+
+    kwargs = {"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "Weather in Tokyo and Paris?"}],
+              "tools": [WEATHER_TOOL], "max_tokens": 80, "temperature": 0,
+              "extra_body": {"structured_outputs": {"grammar": f"start: {call('Tokyo')} {call('Paris')}"}}}
+    with client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)["location"]) for c in calls] == [
+        ("get_weather", "Tokyo"), ("get_weather", "Paris")]
+    assert len({c.id for c in calls}) == 2 and final.choices[0].finish_reason == "tool_calls"
+    body = {k: v for k, v in kwargs.items() if k != "extra_body"} | kwargs["extra_body"] | {"stream": True}
+    with httpx.stream("POST", demo.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    entries = [c["choices"][0]["delta"].get("tool_calls") or [] for c in chunks if c["choices"]]
+    assert all(len(e) <= 1 for e in entries)
+    firsts = [e[0] for e in entries if e and "id" in e[0]]
+    assert [f["index"] for f in firsts] == [0, 1] and all(f["function"]["name"] == "get_weather" for f in firsts)

@@ -92,7 +92,7 @@ class AsyncEngine:
         self.prompter = await asyncio.get_running_loop().run_in_executor(
             self._pool, PromptBuilder.for_processor, self.loaded.processor)
         self.tool_format = self._tool_format()
-        self.guides = GuideCompiler(self.loaded.tokenizer, self.loaded.eos_token_ids)
+        self.guides = GuideCompiler(self.loaded.tokenizer, self.loaded.eos_token_ids, self.opens_reasoning)
         self.core = EngineCore(self.loaded, self.worker, self._publish_threadsafe, self.config)
         self.worker.set_stepper(self.core)
         if warmup:

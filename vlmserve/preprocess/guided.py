@@ -22,12 +22,39 @@ CACHED_GRAMMARS = 64
 
 
 def tidy_json(schema: Any) -> Any:
-    """The schema, written as models write JSON (``", "`` and ``": "``) and with no other whitespace:
-    a weak model can not wander into endless blank space inside a constrained object."""
+    """The schema as it is enforced: written as models write JSON (``", "`` and ``": "``) with no
+    other whitespace, and, as vLLM's xgrammar strict mode does, objects that declare properties take
+    no others unless the schema allows them. A model can wander into neither endless blank space nor
+    keys of its own."""
     if not isinstance(schema, dict):
         return schema
     style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    return {**schema, "x-guidance": {**style, **schema.get("x-guidance", {})}}
+    closed = _closed(schema)
+    return {**closed, "x-guidance": {**style, **schema.get("x-guidance", {})}}
+
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+
+
+def _closed(schema: Any) -> Any:
+    """Every object with declared properties, at any depth, closed unless it says otherwise."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(sub) for sub in out[key]]
+    if "properties" in schema and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 class GuideError(ValueError):
@@ -50,8 +77,10 @@ class GuideSpec:
 class GuideCompiler:
     """One model's grammars: its llguidance tokenizer (built on first use, ~1 s for a large vocabulary)."""
 
-    def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int], opens_reasoning: bool = False) -> None:
         self._tokenizer, self._eos = tokenizer, sorted(eos_token_ids)
+        # The prompt ends inside <think> (Qwen3.5): the constrained answer comes after an empty one.
+        self._after_thinking = opens_reasoning
         self._lock = threading.Lock()
         self._ll: Any = None
         self._cache: OrderedDict[str, Guide] = OrderedDict()
@@ -80,20 +109,32 @@ class GuideCompiler:
     def _grammar(self, spec: GuideSpec) -> str:
         from llguidance import LLMatcher
 
-        if spec.kind == "json_schema":
-            return LLMatcher.grammar_from_json_schema(tidy_json(spec.value))
-        if spec.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema(tidy_json({"type": "object"}))
-        if spec.kind == "regex":
-            return LLMatcher.grammar_from_regex(spec.value)
-        if spec.kind == "choice":
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.value))
         if spec.kind == "grammar":
-            return LLMatcher.grammar_from_lark(spec.value)
+            return LLMatcher.grammar_from_lark(spec.value)  # the client's own start rule, as written
+        if spec.kind == "regex" and not self._after_thinking:
+            return LLMatcher.grammar_from_regex(spec.value)
         if spec.kind == "tool_call":
             from vlmserve.preprocess.tool_grammar import tool_call_lark
 
-            return LLMatcher.grammar_from_lark(tool_call_lark(spec.value["format"], spec.value["tools"], self._tokenizer))
+            lark = tool_call_lark(spec.value["format"], spec.value["tools"], self._tokenizer)
+        else:
+            lark = "start: answer\nanswer: " + self._body(spec)
+        if self._after_thinking:
+            from vlmserve.preprocess.tool_grammar import marker
+
+            lark = lark.replace("start:", f'start: {marker(self._tokenizer, "</think>")} "\\n\\n" body\nbody:', 1)
+        return LLMatcher.grammar_from_lark(lark)
+
+    @staticmethod
+    def _body(spec: GuideSpec) -> str:
+        if spec.kind == "json_schema":
+            return "%json " + json.dumps(tidy_json(spec.value))
+        if spec.kind == "json_object":
+            return "%json " + json.dumps(tidy_json({"type": "object"}))
+        if spec.kind == "regex":
+            return "/" + spec.value.replace("/", "\\/") + "/"
+        if spec.kind == "choice":
+            return " | ".join(json.dumps(c) for c in spec.value)
         raise GuideError(f"unknown constraint {spec.kind!r}")
 
     def _ll_tokenizer(self) -> Any:

@@ -8,8 +8,8 @@
   properties in the schema's order, required ones first; strings quoted with ``<|"|>`` or, as
   quantized Gemma 4 often writes them, with ``'`` or ``"`` (the parser repairs those).
 
-A marker that is one special token of the tokenizer is written by id (``<[id]>``): llguidance never
-matches special tokens against text.
+A marker that is one added token of the tokenizer is written by id (``<[id]>``): llguidance never
+matches added tokens against text.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 from vlmserve.tools import gemma4, hermes, mistral
 from vlmserve.tools.registry import ALIASES
 
-_NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"
-_INTEGER = r"/-?(0|[1-9][0-9]*)/"
+_NUMBER = r"/-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,17})?([eE][+-]?[0-9]{1,3})?/"  # bounded: no endless digits
+_INTEGER = r"/-?(0|[1-9][0-9]{0,17})/"
 
 
 def tool_call_lark(fmt: str, tools: list[dict[str, Any]], tokenizer: Any) -> str:
@@ -34,12 +34,21 @@ def tool_call_lark(fmt: str, tools: list[dict[str, Any]], tokenizer: Any) -> str
     return writer(functions, _Markers(tokenizer))
 
 
+def marker(tokenizer: Any, text: str) -> str:
+    """``text`` in a Lark grammar: by token id if it is one special token, else as a string."""
+    return _Markers(tokenizer)(text)
+
+
 class _Markers:
+    """Added tokens, special or not (Qwen's ``<tool_call>`` is not), are referenced by id: llguidance
+    reads every added token as a token of its own, never as the text it spells (measured: a grammar
+    with the text ``"<tool_call>"`` allowed the token, then refused it when it came)."""
+
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.special = set(getattr(tokenizer, "all_special_tokens", None) or ())
         decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        self.special |= {t.content for t in decoder.values() if getattr(t, "special", False)}
+        self.special |= {t.content for t in decoder.values()}
 
     def has(self, text: str) -> bool:
         return text in self.special
@@ -109,6 +118,9 @@ class _GemmaArgs:
             item = self.value(schema.get("items") or {"type": "string"}, depth + 1)
             return f'"[" ({item} ("," {item})*)? "]"'
         if kind == "integer":
+            low, high = schema.get("minimum"), schema.get("maximum")
+            if isinstance(low, int) and isinstance(high, int) and 0 <= high - low < 256:
+                return "(" + _choice([json.dumps(str(n)) for n in range(low, high + 1)]) + ")"
             return _INTEGER
         if kind == "number":
             return _NUMBER
