@@ -258,17 +258,23 @@ README_SECTION = "## Latest results"
 
 
 def write_readme(dirs: list[Path]) -> int:
-    """Replace the README's last section by these runs: each one's tables, targets and throughput plot."""
+    """Replace the README's "Latest results" section (up to the next ``## `` heading; the sections of
+    other benchmarks stay) by these runs: each one's tables, targets and throughput plot."""
     readme = HERE / "README.md"
     text = readme.read_text()
-    head = text[: text.index(README_SECTION)] if README_SECTION in text else text.rstrip() + "\n\n"
+    if README_SECTION in text:
+        start = text.index(README_SECTION)
+        end = text.find("\n## ", start + len(README_SECTION))
+        head, tail = text[:start], ("\n" + text[end + 1:]) if end >= 0 else ""
+    else:
+        head, tail = text.rstrip() + "\n\n", ""
     parts = [README_SECTION + "\n\n" + README_INTRO]
     for directory in dirs:
         summary = json.loads((directory / "compare.json").read_text())
         plot = f"throughput_{directory.name.removeprefix('compare-')}.png"
         shutil.copy(directory / "compare_throughput.png", HERE / plot)
         parts.append(render(summary).replace("## ", "### ", 1).replace("\n### ", "\n#### ") + f"\n![throughput]({plot})\n")
-    readme.write_text(head + "\n".join(parts))
+    readme.write_text(head + "\n".join(parts) + tail)
     print(f"wrote {len(dirs)} runs into {readme}")
     return 0
 
