@@ -106,3 +106,17 @@ def test_models_by_id(client):
     assert client.models.retrieve(DEFAULT_MODEL_NAME).id == DEFAULT_MODEL_NAME
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
+
+
+def test_text_format_json_schema_is_enforced(client):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Shape(BaseModel):
+        shape: Literal["circle", "square", "triangle", "star"]
+        count: int = Field(ge=0, le=9)
+
+    r = client.responses.parse(model=DEFAULT_MODEL_NAME, input=_image_input("Describe one shape."), text_format=Shape,
+                               temperature=0, max_output_tokens=60)
+    assert isinstance(r.output_parsed, Shape)

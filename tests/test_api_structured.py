@@ -59,13 +59,14 @@ def test_parse_returns_a_schema_valid_object_ten_of_ten(client):
         assert isinstance(r.choices[0].message.parsed, Shape), r.choices[0].message.content
 
 
-def test_the_sdk_stream_parses_the_same_object(client):
-    kwargs = {"model": DEFAULT_MODEL_NAME, "messages": _ask("Describe one shape as JSON."), "response_format": Shape,
-              "temperature": 0, "max_tokens": 80}
-    whole = client.chat.completions.parse(**kwargs).choices[0].message.parsed
-    with client.chat.completions.stream(**kwargs) as stream:
-        streamed = stream.get_final_completion().choices[0].message.parsed
-    assert isinstance(streamed, Shape) and streamed == whole
+def test_the_sdk_stream_parses_the_same_object_ten_of_ten(client):
+    for seed in range(10):
+        kwargs = {"model": DEFAULT_MODEL_NAME, "messages": _ask("Describe one shape as JSON."), "response_format": Shape,
+                  "temperature": 1.0, "seed": seed, "max_tokens": 80}
+        whole = client.chat.completions.parse(**kwargs).choices[0].message.parsed
+        with client.chat.completions.stream(**kwargs) as stream:
+            streamed = stream.get_final_completion().choices[0].message.parsed
+        assert isinstance(streamed, Shape) and streamed == whole  # the same seed: the same object
 
 
 def test_json_object_regex_and_choice(client):
