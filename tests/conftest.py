@@ -115,3 +115,21 @@ def client(server):
 @pytest.fixture(scope="session")
 def model_name(gemma4_micro) -> str:
     return gemma4_micro.name  # a directory answers to its base name too
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory):
+    """One real ``vlmserve serve`` on the built-in demo model (no --model), for the tests that need
+    a model that answers sensibly."""
+    from server_utils import start_server
+
+    server = start_server([], tmp_path_factory.mktemp("logs") / "demo-server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def demo_client(demo_server):
+    import openai
+
+    return openai.OpenAI(base_url=demo_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_utils import start_server
 
 from vlmserve.config import DEFAULT_MODEL_NAME
 from vlmserve.testing.demo.dialogues import WEATHER_TOOL
@@ -22,16 +21,8 @@ FUNCTION = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API
 TOKYO = "What's the weather in Tokyo in celsius?"
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    server = start_server([], tmp_path_factory.mktemp("responses") / "server.log")
-    yield server
-    server.stop()
 
 
-@pytest.fixture
-def client(demo) -> openai.OpenAI:
-    return openai.OpenAI(base_url=demo.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def _image_input(text: str = "Describe this image.") -> list[dict]:
@@ -39,16 +30,16 @@ def _image_input(text: str = "Describe this image.") -> list[dict]:
     return [{"role": "user", "content": [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": text}]}]
 
 
-def test_an_image_caption_through_responses_create(client):
-    r = client.responses.create(model=DEFAULT_MODEL_NAME, input=_image_input(), temperature=0, max_output_tokens=40)
+def test_an_image_caption_through_responses_create(demo_client):
+    r = demo_client.responses.create(model=DEFAULT_MODEL_NAME, input=_image_input(), temperature=0, max_output_tokens=40)
     assert r.status == "completed" and r.output_text == CAPTION
     assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     assert r.store is False and r.id.startswith("resp_")
 
 
-def test_the_sdk_stream_accumulator_gets_the_same_caption(client):
-    with client.responses.stream(model=DEFAULT_MODEL_NAME, input=_image_input(), temperature=0,
+def test_the_sdk_stream_accumulator_gets_the_same_caption(demo_client):
+    with demo_client.responses.stream(model=DEFAULT_MODEL_NAME, input=_image_input(), temperature=0,
                                  max_output_tokens=40) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
@@ -58,26 +49,26 @@ def test_the_sdk_stream_accumulator_gets_the_same_caption(client):
     assert kinds.index("response.output_item.added") < kinds.index("response.content_part.added")
 
 
-def test_text_input_instructions_and_max_output_tokens(client):
-    r = client.responses.create(model=DEFAULT_MODEL_NAME, input="Hello!", instructions="Be brief.",
+def test_text_input_instructions_and_max_output_tokens(demo_client):
+    r = demo_client.responses.create(model=DEFAULT_MODEL_NAME, input="Hello!", instructions="Be brief.",
                                 temperature=0, max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 3 and r.instructions == "Be brief."
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_function_call_and_its_result(client, stream):
+def test_a_function_call_and_its_result(demo_client, stream):
     if stream:
-        with client.responses.stream(model=DEFAULT_MODEL_NAME, input=TOKYO, tools=[FUNCTION], temperature=0) as s:
+        with demo_client.responses.stream(model=DEFAULT_MODEL_NAME, input=TOKYO, tools=[FUNCTION], temperature=0) as s:
             for _ in s:
                 pass
             r = s.get_final_response()
     else:
-        r = client.responses.create(model=DEFAULT_MODEL_NAME, input=TOKYO, tools=[FUNCTION], temperature=0)
+        r = demo_client.responses.create(model=DEFAULT_MODEL_NAME, input=TOKYO, tools=[FUNCTION], temperature=0)
     (call,) = [item for item in r.output if item.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"location": "Tokyo", "unit": "celsius"}
     assert call.call_id and call.status == "completed"
-    answer = client.responses.create(model=DEFAULT_MODEL_NAME, tools=[FUNCTION], temperature=0, max_output_tokens=40,
+    answer = demo_client.responses.create(model=DEFAULT_MODEL_NAME, tools=[FUNCTION], temperature=0, max_output_tokens=40,
                                      input=[{"role": "user", "content": TOKYO},
                                             {"type": "function_call", "call_id": call.call_id, "name": call.name,
                                              "arguments": call.arguments},
@@ -95,20 +86,20 @@ def test_a_function_call_and_its_result(client, stream):
     ({"tools": [{"type": "web_search"}]}, "tools.0", "'web_search'"),
     ({"input": "hi", "temperature": 7}, "temperature", "less than or equal to 2"),
 ])
-def test_what_this_server_does_not_take_is_a_clear_400(demo, body, param, says):
-    r = httpx.post(demo.url + "/v1/responses", json={"model": DEFAULT_MODEL_NAME, "input": "hi", **body}, timeout=30)
+def test_what_this_server_does_not_take_is_a_clear_400(demo_server, body, param, says):
+    r = httpx.post(demo_server.url + "/v1/responses", json={"model": DEFAULT_MODEL_NAME, "input": "hi", **body}, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and says in error["message"], error
 
 
-def test_models_by_id(client):
-    assert client.models.retrieve(DEFAULT_MODEL_NAME).id == DEFAULT_MODEL_NAME
+def test_models_by_id(demo_client):
+    assert demo_client.models.retrieve(DEFAULT_MODEL_NAME).id == DEFAULT_MODEL_NAME
     with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("no-such-model")
+        demo_client.models.retrieve("no-such-model")
 
 
-def test_text_format_json_schema_is_enforced(client):
+def test_text_format_json_schema_is_enforced(demo_client):
     from typing import Literal
 
     from pydantic import BaseModel, Field
@@ -117,6 +108,6 @@ def test_text_format_json_schema_is_enforced(client):
         shape: Literal["circle", "square", "triangle", "star"]
         count: int = Field(ge=0, le=9)
 
-    r = client.responses.parse(model=DEFAULT_MODEL_NAME, input=_image_input("Describe one shape."), text_format=Shape,
+    r = demo_client.responses.parse(model=DEFAULT_MODEL_NAME, input=_image_input("Describe one shape."), text_format=Shape,
                                temperature=0, max_output_tokens=60)
     assert isinstance(r.output_parsed, Shape)

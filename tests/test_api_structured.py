@@ -11,11 +11,9 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
-import openai
 import pytest
 from conftest import running_engine
 from pydantic import BaseModel, Field
-from server_utils import start_server
 
 from vlmserve.config import DEFAULT_MODEL_NAME
 from vlmserve.engine.params import SamplingParams
@@ -40,59 +38,51 @@ def _ask(text: str) -> list[dict]:
                                          {"type": "text", "text": text}]}]
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    server = start_server([], tmp_path_factory.mktemp("structured") / "server.log")
-    yield server
-    server.stop()
 
 
-@pytest.fixture
-def client(demo) -> openai.OpenAI:
-    return openai.OpenAI(base_url=demo.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def test_parse_returns_a_schema_valid_object_ten_of_ten(client):
+def test_parse_returns_a_schema_valid_object_ten_of_ten(demo_client):
     for seed in range(10):
-        r = client.chat.completions.parse(model=DEFAULT_MODEL_NAME, messages=_ask("Describe one shape as JSON."),
+        r = demo_client.chat.completions.parse(model=DEFAULT_MODEL_NAME, messages=_ask("Describe one shape as JSON."),
                                           response_format=Shape, temperature=1.0, seed=seed, max_tokens=80)
         assert isinstance(r.choices[0].message.parsed, Shape), r.choices[0].message.content
 
 
-def test_the_sdk_stream_parses_the_same_object_ten_of_ten(client):
+def test_the_sdk_stream_parses_the_same_object_ten_of_ten(demo_client):
     for seed in range(10):
         kwargs = {"model": DEFAULT_MODEL_NAME, "messages": _ask("Describe one shape as JSON."), "response_format": Shape,
                   "temperature": 1.0, "seed": seed, "max_tokens": 80}
-        whole = client.chat.completions.parse(**kwargs).choices[0].message.parsed
-        with client.chat.completions.stream(**kwargs) as stream:
+        whole = demo_client.chat.completions.parse(**kwargs).choices[0].message.parsed
+        with demo_client.chat.completions.stream(**kwargs) as stream:
             streamed = stream.get_final_completion().choices[0].message.parsed
         assert isinstance(streamed, Shape) and streamed == whole  # the same seed: the same object
 
 
-def test_json_object_regex_and_choice(client):
+def test_json_object_regex_and_choice(demo_client):
     # Any object: the demo model, which never saw JSON, writes a key that never ends; the object opens,
     # and whatever it finishes parses.
-    r = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("Answer in JSON."), max_tokens=60,
+    r = demo_client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("Answer in JSON."), max_tokens=60,
                                        response_format={"type": "json_object"}, temperature=0)
     content = r.choices[0].message.content
     assert content.startswith('{"')
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(content), dict)
-    r = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("Describe one."), max_tokens=80,
+    r = demo_client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("Describe one."), max_tokens=80,
                                        temperature=0, extra_body={"structured_outputs": {"json": STRICT}})
     Shape.model_validate_json(r.choices[0].message.content)
-    r = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("How many shapes?"), max_tokens=10,
+    r = demo_client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("How many shapes?"), max_tokens=10,
                                        temperature=0, extra_body={"structured_outputs": {"regex": "[0-9]{1,2} shapes"}})
     assert re.fullmatch(r"[0-9]{1,2} shapes", r.choices[0].message.content)
-    r = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("Is there a star?"), max_tokens=10,
+    r = demo_client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("Is there a star?"), max_tokens=10,
                                        temperature=0, extra_body={"structured_outputs": {"choice": ["maybe", "nope"]}})
     assert r.choices[0].message.content in ("maybe", "nope") and r.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_a_forced_tool_call_always_comes_with_schema_valid_arguments(client, choice):
+def test_a_forced_tool_call_always_comes_with_schema_valid_arguments(demo_client, choice):
     for seed in range(3):  # a prompt the model would answer in words: the call comes anyway
-        r = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("Describe this image."),
+        r = demo_client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("Describe this image."),
                                            tools=[WEATHER_TOOL], tool_choice=choice, temperature=1.0, seed=seed,
                                            max_tokens=60)
         (call,) = r.choices[0].message.tool_calls
@@ -107,9 +97,9 @@ def test_a_forced_tool_call_always_comes_with_schema_valid_arguments(client, cho
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
 ])
-def test_a_grammar_that_cannot_compile_is_a_400_naming_it(demo, extra, param):
+def test_a_grammar_that_cannot_compile_is_a_400_naming_it(demo_server, extra, param):
     body = {"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], **extra}
-    r = httpx.post(demo.url + "/v1/chat/completions", json=body, timeout=30)
+    r = httpx.post(demo_server.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
 
@@ -141,7 +131,7 @@ def test_a_constrained_row_leaves_its_unconstrained_batch_neighbour_unchanged(ge
         Shape.model_validate_json(text_out)
 
 
-def test_two_calls_in_one_turn_stream_as_two_whole_calls(client, demo):
+def test_two_calls_in_one_turn_stream_as_two_whole_calls(demo_client, demo_server):
     """A grammar makes the demo model write two Gemma 4 calls; the SDK's own accumulator sees two
     whole calls, and no chunk carries two entries of one index."""
     from transformers import AutoTokenizer  # the ids of the markers
@@ -157,14 +147,14 @@ def test_two_calls_in_one_turn_stream_as_two_whole_calls(client, demo):
     kwargs = {"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "Weather in Tokyo and Paris?"}],
               "tools": [WEATHER_TOOL], "max_tokens": 80, "temperature": 0,
               "extra_body": {"structured_outputs": {"grammar": f"start: {call('Tokyo')} {call('Paris')}"}}}
-    with client.chat.completions.stream(**kwargs) as stream:
+    with demo_client.chat.completions.stream(**kwargs) as stream:
         final = stream.get_final_completion()
     calls = final.choices[0].message.tool_calls
     assert [(c.function.name, json.loads(c.function.arguments)["location"]) for c in calls] == [
         ("get_weather", "Tokyo"), ("get_weather", "Paris")]
     assert len({c.id for c in calls}) == 2 and final.choices[0].finish_reason == "tool_calls"
     body = {k: v for k, v in kwargs.items() if k != "extra_body"} | kwargs["extra_body"] | {"stream": True}
-    with httpx.stream("POST", demo.url + "/v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", demo_server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     entries = [c["choices"][0]["delta"].get("tool_calls") or [] for c in chunks if c["choices"]]
     assert all(len(e) <= 1 for e in entries)

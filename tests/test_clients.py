@@ -8,7 +8,6 @@ from typing import Literal
 
 import pytest
 from pydantic import BaseModel, Field
-from server_utils import start_server
 
 from vlmserve.config import DEFAULT_MODEL_NAME
 
@@ -21,11 +20,9 @@ class Shape(BaseModel):
     count: int = Field(ge=0, le=9)
 
 
-@pytest.fixture(scope="module")
-def base_url(tmp_path_factory):
-    server = start_server([], tmp_path_factory.mktemp("clients") / "server.log")
-    yield server.url + "/v1"
-    server.stop()
+@pytest.fixture
+def base_url(demo_server):
+    return demo_server.url + "/v1"
 
 
 def test_langchain_with_structured_output(base_url):

@@ -10,7 +10,7 @@ import json
 import re
 
 import pytest
-from server_utils import image_data_url, start_server
+from server_utils import image_data_url
 
 from vlmserve.config import DEFAULT_MODEL_NAME
 from vlmserve.testing.demo.dialogues import WEATHER_TOOL, weather_exchange
@@ -22,19 +22,11 @@ TOKYO = {"role": "user", "content": "What's the weather in Tokyo in celsius?"}
 GREEDY = {"temperature": 0}  # OpenAI's default is 1: sampled, a less likely unit comes up now and then
 
 
-@pytest.fixture(scope="module")
-def demo_server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "demo-server.log"
-    proc = start_server([], log)  # no --model: the built-in default
-    yield proc
-    proc.stop()
 
 
 @pytest.fixture
-def client(demo_server):
-    import openai
-
-    return openai.OpenAI(base_url=demo_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+def client(demo_client):
+    return demo_client
 
 
 def test_default_model_is_the_demo(client) -> None:
