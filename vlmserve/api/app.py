@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.resources
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
@@ -11,7 +12,8 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 
 from vlmserve.api.chat import create_chat_completion
 from vlmserve.api.errors import APIError, install_error_handlers, log_rejection
@@ -36,7 +38,9 @@ def create_app(state: ServerState, on_fatal: Callable[[str], None] | None = None
             await asyncio.gather(starting, return_exceptions=True)
             await stop_engines(state, "server is shutting down")
 
-    app = FastAPI(title="vlmserve", lifespan=lifespan)
+    # No /docs or /redoc: FastAPI's pages fetch their scripts from a CDN and are blank offline.
+    # /openapi.json stays; the playground at / is served from files inside the package.
+    app = FastAPI(title="vlmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.vlmserve = state
     install_error_handlers(app, state.metrics)
     app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes, on_reject=state.metrics.rejected)
@@ -68,6 +72,13 @@ async def stop_engines(state: ServerState, message: str) -> None:
 def _routes(app: FastAPI, state: ServerState) -> None:
     auth = Depends(_auth(state))
     state.metrics.watch_engines(lambda: [(m.name, m.engine) for m in state.models])
+
+    web = importlib.resources.files("vlmserve") / "web"
+    app.mount("/static", StaticFiles(directory=str(web)), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(str(web / "index.html"))
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -1,0 +1,233 @@
+// The vlmserve playground: chat with a served model about pictures, streamed, from this server's own API.
+// No build step and nothing fetched from elsewhere. The API key, when the server wants one, is asked
+// for once and kept in this tab's sessionStorage.
+
+const $ = (id) => document.getElementById(id);
+const WEATHER_TOOL = {
+  type: "function",
+  function: {
+    name: "get_weather",
+    description: "Get the current weather in a city.",
+    parameters: {
+      type: "object",
+      properties: {
+        location: { type: "string", description: "The city name." },
+        unit: { type: "string", enum: ["celsius", "fahrenheit"] },
+      },
+      required: ["location"],
+    },
+  },
+};
+
+const history = [];          // OpenAI chat messages sent so far
+let attached = [];           // data URLs of the images for the next message
+let running = null;          // the AbortController of the request in flight
+
+function headers() {
+  const key = sessionStorage.getItem("vlmserve-api-key");
+  const h = { "Content-Type": "application/json" };
+  if (key) h.Authorization = `Bearer ${key}`;
+  return h;
+}
+
+function status(text) { $("status").textContent = text; }
+
+async function loadModels() {
+  const response = await fetch("/v1/models", { headers: headers() });
+  if (response.status === 401) {
+    $("key-form").hidden = false;
+    $("api-key").focus();
+    status("This server needs an API key.");
+    return false;
+  }
+  const body = await response.json();
+  const select = $("model");
+  select.replaceChildren(...body.data.map((m) => new Option(m.id, m.id)));
+  $("key-form").hidden = true;
+  status(`${body.data.length} model(s) ready`);
+  return true;
+}
+
+$("key-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  sessionStorage.setItem("vlmserve-api-key", $("api-key").value);
+  if (!(await loadModels())) {
+    sessionStorage.removeItem("vlmserve-api-key");
+    $("key-error").textContent = "That key was refused.";
+  } else {
+    $("key-error").textContent = "";
+  }
+});
+
+// -- images: choose, drop, paste ---------------------------------------------------------
+
+function readAsDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attach(files) {
+  for (const file of files) {
+    if (file.type.startsWith("image/")) attached.push(await readAsDataURL(file));
+  }
+  drawThumbs();
+}
+
+function drawThumbs() {
+  $("thumbs").replaceChildren(...attached.map((url, i) => {
+    const item = document.createElement("li");
+    const img = document.createElement("img");
+    img.src = url;
+    img.alt = `attached image ${i + 1}`;
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.textContent = "Remove";
+    remove.setAttribute("aria-label", `Remove image ${i + 1}`);
+    remove.onclick = () => { attached.splice(i, 1); drawThumbs(); };
+    item.append(img, remove);
+    return item;
+  }));
+}
+
+$("images").addEventListener("change", (e) => { attach(e.target.files); e.target.value = ""; });
+$("drop").addEventListener("dragover", (e) => { e.preventDefault(); $("drop").classList.add("over"); });
+$("drop").addEventListener("dragleave", () => $("drop").classList.remove("over"));
+$("drop").addEventListener("drop", (e) => {
+  e.preventDefault();
+  $("drop").classList.remove("over");
+  attach(e.dataTransfer.files);
+});
+document.addEventListener("paste", (e) => attach([...e.clipboardData.files]));
+
+// -- chat ----------------------------------------------------------------------------------
+
+function bubble(role, text = "", images = []) {
+  const item = document.createElement("li");
+  item.className = role;
+  for (const url of images) {
+    const img = document.createElement("img");
+    img.src = url;
+    img.alt = "sent image";
+    item.append(img);
+  }
+  const span = document.createElement("span");
+  span.className = "text";
+  span.textContent = text;
+  item.append(span);
+  $("chat").append(item);
+  item.scrollIntoView({ block: "end" });
+  return item;
+}
+
+function showCalls(item, calls) {
+  for (const call of calls) {
+    if (!call) continue;
+    const block = document.createElement("div");
+    block.className = "tool-call";
+    block.textContent = `tool call: ${call.function.name}(${call.function.arguments})`;
+    item.append(block);
+  }
+}
+
+async function* sse(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      for (const line of event.split("\n")) {
+        if (line.startsWith("data: ")) yield line.slice(6);
+      }
+    }
+  }
+}
+
+async function send(text) {
+  const content = [...attached.map((url) => ({ type: "image_url", image_url: { url } })), { type: "text", text }];
+  bubble("user", text, attached);
+  history.push({ role: "user", content });
+  attached = [];
+  drawThumbs();
+  const item = bubble("assistant");
+  const out = item.querySelector(".text");
+  const body = {
+    model: $("model").value, messages: history, stream: true, stream_options: { include_usage: true },
+    temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value),
+  };
+  if ($("weather").checked) body.tools = [WEATHER_TOOL];
+  running = new AbortController();
+  $("send").disabled = true;
+  $("stop").disabled = false;
+  const started = performance.now();
+  let firstToken = null;
+  let answer = "";
+  const calls = [];
+  try {
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST", headers: headers(), body: JSON.stringify(body), signal: running.signal,
+    });
+    if (!response.ok) {
+      const error = await response.json().catch(() => ({}));
+      throw new Error(error.error?.message || `HTTP ${response.status}`);
+    }
+    for await (const data of sse(response)) {
+      if (data === "[DONE]") break;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) {
+        const ttft = firstToken === null ? "-" : `${Math.round(firstToken - started)} ms`;
+        $("usage").textContent = `prompt ${chunk.usage.prompt_tokens} tokens, completion `
+          + `${chunk.usage.completion_tokens} tokens, time to first token ${ttft}`;
+      }
+      const delta = chunk.choices?.[0]?.delta;
+      if (!delta) continue;
+      if ((delta.content || delta.tool_calls) && firstToken === null) firstToken = performance.now();
+      if (delta.content) { answer += delta.content; out.textContent = answer; }
+      for (const entry of delta.tool_calls || []) {
+        if (entry.id) calls[entry.index] = { id: entry.id, type: "function", function: { name: entry.function.name, arguments: "" } };
+        if (entry.function?.arguments) calls[entry.index].function.arguments += entry.function.arguments;
+      }
+    }
+    showCalls(item, calls);
+    history.push(calls.length ? { role: "assistant", content: answer || null, tool_calls: calls.filter(Boolean) }
+                              : { role: "assistant", content: answer });
+  } catch (error) {
+    if (error.name === "AbortError") {
+      out.textContent = answer + " [stopped]";
+      history.push({ role: "assistant", content: answer });
+    } else {
+      item.classList.add("error");
+      out.textContent = `Error: ${error.message}`;
+      history.pop();  // the user turn failed; it is not part of the conversation
+    }
+  } finally {
+    running = null;
+    $("send").disabled = false;
+    $("stop").disabled = true;
+  }
+}
+
+$("composer").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const text = $("prompt").value.trim();
+  if (!text || running) return;
+  $("prompt").value = "";
+  send(text);
+});
+$("prompt").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
+});
+$("stop").addEventListener("click", () => running?.abort());   // closing the stream aborts it on the server
+$("clear").addEventListener("click", () => { history.length = 0; $("chat").replaceChildren(); $("usage").textContent = ""; });
+
+loadModels().catch((error) => status(`Cannot reach the server: ${error.message}`));
