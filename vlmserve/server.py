@@ -108,6 +108,23 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+def listening_socket(uv_config: uvicorn.Config) -> socket.socket:
+    """uvicorn's socket, with what accepted connections inherit from it:
+
+    - a small send buffer: a client that stops reading blocks the server's writes after about
+      SEND_BUFFER bytes instead of the megabytes the kernel would buffer, so its request is aborted
+      after --stream-stall-timeout, not minutes later (AsyncEngine._abort_stalled);
+    - TCP_NODELAY, which uvicorn sets on the sockets it creates itself but not on one handed to it:
+      without it a response's body waited for the client's delayed ACK of its headers, 45 ms more
+      per keep-alive request (measured, with the openai SDK's httpx).
+    """
+    sock = uv_config.bind_socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
 def serve(config: ServeConfig) -> int:
     """Run until a signal; non-zero exit when a model fails to load."""
     try:
@@ -124,12 +141,7 @@ def serve(config: ServeConfig) -> int:
     holder.append(server)
     log.info("vlmserve %s serving %s on http://%s:%d", __version__, ", ".join(m.name for m in state.models),
              config.host, config.port)
-    sock = uv_config.bind_socket()
-    # Accepted connections inherit this: a client that stops reading blocks the server's writes
-    # after ~SEND_BUFFER bytes instead of the megabytes the kernel would buffer on its own, so its
-    # request is aborted after --stream-stall-timeout, not after minutes (AsyncEngine._abort_stalled).
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
-    server.run(sockets=[sock])
+    server.run(sockets=[listening_socket(uv_config)])
     if server.fatal:
         print(f"vlmserve: error: {server.fatal}", file=sys.stderr)
         return 1
