@@ -103,3 +103,18 @@ def test_constrained_output_in_every_family(client, models: dict[str, Path], arc
                                                 "name": "forecast", "schema": FORECAST, "strict": True}})
     assert shaped.choices[0].finish_reason == "stop", shaped.choices[0].message
     assert set(json.loads(shaped.choices[0].message.content)) == {"sky", "warm"}
+
+
+def test_a_grammar_the_matcher_cannot_follow_fails_the_request_not_the_constraint(client, models) -> None:  # noqa: ANN001
+    """Written as text, Qwen's ``<tool_call>`` (an added token) is allowed by llguidance's mask as the
+    token, then refused when it comes: the request fails with a clear error instead of going on
+    unconstrained."""
+    import openai
+
+    with pytest.raises(openai.InternalServerError, match="constrained decoding failed"):
+        client.chat.completions.create(model=models["qwen2_5_vl"].name, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=16, temperature=0,
+                                       extra_body={"structured_outputs": {"grammar": 'start: "<tool_call>" "done"'}})
+    ok = client.chat.completions.create(model=models["qwen2_5_vl"].name, messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=4, temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop")

@@ -195,6 +195,8 @@ class EngineCore:
             error = self._guarded(plan.decode, lambda: samples.update(self.runner.decode()))
             if error is not None:
                 failed.update(dict.fromkeys((r.request_id for r in plan.decode), error))
+            failed.update(self.runner.guide_errors)
+            self.runner.guide_errors.clear()
         together = [r for r in plan.prefill
                     if self.runner.prefills_whole(r.request_id, plan.num_scheduled_tokens[r.request_id])]
         if len(together) > 1:  # whole prompts starting in this step: one left-padded forward

@@ -24,11 +24,17 @@ def guided(rows: Sequence[Any]) -> bool:
     return any(r.matcher is not None for r in rows)
 
 
-def consume(rows: Sequence[Any], tokens: Sequence[int]) -> None:
-    """Each guided row's matcher takes the token fed to it in this step."""
-    for row, token in zip(rows, tokens):
+def consume(rows: Sequence[Any], tokens: Sequence[int]) -> dict[int, str]:
+    """Each guided row's matcher takes the token fed to it in this step; returns the rows whose
+    grammar refused it (row -> why). They cannot be constrained any more: the caller fails them
+    rather than let them go on unconstrained."""
+    refused = {}
+    for i, (row, token) in enumerate(zip(rows, tokens)):
         if row.matcher is not None and not row.matcher.is_error() and not row.matcher.consume_token(int(token)):
-            log.warning("constrained decoding: the grammar refused token %d: %s", token, row.matcher.get_error())
+            error = row.matcher.get_error().splitlines()[0] if row.matcher.get_error() else "no detail"
+            log.warning("constrained decoding: the grammar refused token %d: %s", token, error)
+            refused[i] = f"constrained decoding failed: the grammar refused token {token} ({error})"
+    return refused
 
 
 def allowed(rows: Sequence[Any], width: int) -> mx.array | None:
@@ -39,7 +45,7 @@ def allowed(rows: Sequence[Any], width: int) -> mx.array | None:
     for i, row in enumerate(rows):
         matcher = row.matcher
         if matcher is None or matcher.is_error():
-            continue  # an erred matcher constrains nothing rather than leave no token at all
+            continue  # its request fails with this step (consume); meanwhile every token stays possible
         bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)[: words.shape[1]]
         words[i] = 0
         words[i, : bits.size] = bits

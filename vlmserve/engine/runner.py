@@ -63,6 +63,7 @@ class ModelRunner:
         self.adapter = loaded.adapter
         self.prefilling: dict[str, PrefillState] = {}
         self.batch = DecodeBatch()
+        self.guide_errors: dict[str, str] = {}  # requests whose grammar failed in decode, for the core to fail
         # Only where the family's features can be computed per image (the adapter says so).
         self.vision_cache = vision_cache if self.adapter.vision_cache else None
 
@@ -213,7 +214,8 @@ class ModelRunner:
         batch = self.batch
         assert batch.cache is not None and batch.tokens is not None
         if guided.guided(batch.sampling):  # the grammars need this step's inputs now: no pipelining
-            guided.consume(batch.sampling, batch.tokens.tolist())
+            refused = guided.consume(batch.sampling, batch.tokens.tolist())
+            self.guide_errors.update({batch.request_ids[i]: why for i, why in refused.items()})
         logits = self.adapter.decode(batch.tokens[:, None], batch.cache, batch.row_state)
         step = sample(logits, batch.sampling, batch.tokens, guided.allowed(batch.sampling, logits.shape[-1]))
         mx.async_eval(*step.arrays())
