@@ -97,20 +97,23 @@ def test_the_demo_tool_call_is_shown(browser, demo_server):
     assert call.startswith("tool call: get_weather(") and '"Tokyo"' in call
 
 
-def test_stop_aborts_the_request_and_frees_the_slot(browser, gemma4_micro, tmp_path):
-    """The micro model (random weights) writes until max_tokens: Stop ends it mid-stream."""
+def test_stop_aborts_the_request_and_frees_the_slot(browser, tmp_path):
+    """A micro model built never to emit EOS writes until max_tokens: Stop ends it mid-stream."""
     from selenium.webdriver.common.by import By
 
-    server = start_server(["--model", str(gemma4_micro)], tmp_path / "server.log")
+    from vlmserve.testing import build_model
+
+    server = start_server(["--model", str(build_model("gemma4", "micro", ignore_eos=True))], tmp_path / "server.log")
     try:
         browser.get(server.url + "/")
         _wait(lambda: browser.find_elements(By.CSS_SELECTOR, "#model option"), what="the model list")
         _set(browser, "max-tokens", "20000")
+        _set(browser, "temperature", "0")
         _ask(browser, "Tell me everything.")
         _wait(lambda: len(_answer(browser)) > 20, what="streamed text")
         running = lambda: float(re.search(r"^vlmserve_running_requests\{.*\} (\S+)$",  # noqa: E731
                                           httpx.get(server.url + "/metrics").text, re.M).group(1))
-        assert running() == 1
+        _wait(lambda: running() == 1, timeout=10, what="the request in the batch")
         browser.find_element(By.ID, "stop").click()
         _wait(lambda: _answer(browser).endswith("[stopped]"), what="the stopped reply")
         _wait(lambda: running() == 0, timeout=30, what="the slot to be freed")
