@@ -84,7 +84,7 @@ def test_sigterm_lets_short_streams_finish_and_refuses_new_requests(gemma4_micro
     server = start_server(["--model", str(gemma4_micro), "--shutdown-timeout", "30"], tmp_path / "server.log")
     client = httpx.Client(base_url=server.url, timeout=30)  # a kept-alive connection, opened before the signal
     assert client.get("/health").status_code == 200
-    threads, events = _run_streams(server, gemma4_micro.name, 300)
+    threads, events = _run_streams(server, gemma4_micro.name, 600)
     rc_box: list = []
     waiter = threading.Thread(target=lambda: rc_box.append(_sigterm_and_time_exit(server)))
     waiter.start()
@@ -97,7 +97,7 @@ def test_sigterm_lets_short_streams_finish_and_refuses_new_requests(gemma4_micro
     for t in threads:
         t.join(30)
     rc, took = rc_box[0]
-    print(f"SIGTERM with 8 short streams (grace 30 s): exited {rc} in {took:.2f} s")
+    print(f"SIGTERM with 8 600-token streams (grace 30 s): exited {rc} in {took:.2f} s")
     assert rc == 0 and took < 30  # it left as soon as the streams were done, not at the deadline
     for stream in events:
         assert _finishes(stream) == ("length", True), stream[-3:]
