@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -23,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,22 +98,29 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(STOP_TIMEOUT_S)
 
 
-def bench_server(spec: ServerSpec, model: Path, port: int, config: BenchConfig, env: dict[str, str],
-                 log_path: Path) -> dict[str, Any]:
+@contextlib.contextmanager
+def serving(spec: ServerSpec, port: int, env: dict[str, str], log_path: Path) -> Iterator[tuple[str | None, float]]:
+    """Run ``spec``'s server (output to ``log_path``) for the block: yields why it is not ready (None
+    when it is) and the seconds it took; stops it (this PID only) on the way out."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE.parent)
         try:
             started = time.perf_counter()
             problem = wait_ready(proc, f"http://127.0.0.1:{port}{spec.ready_path}")
-            if problem is not None:
-                return _failed(spec, config, f"server {problem}; see {log_path}", log_path)
-            ready_s = time.perf_counter() - started
-            target = Target(f"http://127.0.0.1:{port}", str(model), spec.extra_body)
-            result = asyncio.run(run_all(target, config, spec.label))
-            result["ready_s"] = round(ready_s, 1)
-            return result
+            yield problem, time.perf_counter() - started
         finally:
             stop(proc)
+
+
+def bench_server(spec: ServerSpec, model: Path, port: int, config: BenchConfig, env: dict[str, str],
+                 log_path: Path) -> dict[str, Any]:
+    with serving(spec, port, env, log_path) as (problem, ready_s):
+        if problem is not None:
+            return _failed(spec, config, f"server {problem}; see {log_path}", log_path)
+        target = Target(f"http://127.0.0.1:{port}", str(model), spec.extra_body)
+        result = asyncio.run(run_all(target, config, spec.label))
+        result["ready_s"] = round(ready_s, 1)
+        return result
 
 
 def _failed(spec: ServerSpec, config: BenchConfig, message: str, log_path: Path) -> dict[str, Any]:

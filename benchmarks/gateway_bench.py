@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
+from compare import free_port, stop, wait_ready
 
 from vlmserve.config import DEFAULT_MODEL_NAME
 from vlmserve.progress import progress
@@ -36,44 +36,29 @@ GATEWAYS = {  # name -> (executable, policies: round-robin first)
 }
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(url: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
+def _start(argv: list[str], ready_path: str, port: int, log: Path, env: dict[str, str] | None = None
+           ) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    problem = wait_ready(proc, url + ready_path)
+    if problem is not None:
+        stop(proc)
+        raise RuntimeError(f"{argv[0]} {problem}; see {log}")
+    return proc, url
 
 
 def _replica(extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "vlmserve.cli", "serve", "--port", str(port), *extra],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "VLMSERVE_NO_OPENBLAS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    _wait(url + "/ready")
-    return proc, url
+    port = free_port()
+    argv = [sys.executable, "-m", "vlmserve.cli", "serve", "--port", str(port), *extra]
+    return _start(argv, "/ready", port, log, {**os.environ, "VLMSERVE_NO_OPENBLAS": "1"})
 
 
 def _gateway(binary: str, policy: str, workers: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     argv = [binary] + (["launch"] if Path(binary).name == "smg" else [])
     argv += ["--worker-urls", *workers, "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
-             "--health-check-endpoint", "/ready", "--prometheus-port", str(_free_port())]
-    proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    _wait(url + "/v1/models", 60)
-    return proc, url
+             "--health-check-endpoint", "/ready", "--prometheus-port", str(free_port())]
+    return _start(argv, "/v1/models", port, log)
 
 
 async def _request(http: httpx.AsyncClient, url: str, max_tokens: int) -> float:
@@ -146,13 +131,11 @@ def main() -> int:
                                     fast_replica=_served(fast_url) - before[0], slow_replica=_served(slow_url) - before[1])
                         results["gateways"].setdefault(name, {})[policy] = cell
                     finally:
-                        gw.send_signal(signal.SIGTERM)
-                        gw.wait(20)
+                        stop(gw)
                     bar.update(1)
     finally:
         for proc in (fast, slow):
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
+            stop(proc)
     (args.out / "gateway.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 0

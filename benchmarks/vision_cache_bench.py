@@ -28,15 +28,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
-from compare import OPENBLAS, ServerSpec, float32_copy, free_port, machine, server_specs, stop, wait_ready
+from compare import OPENBLAS, ServerSpec, float32_copy, free_port, machine, server_specs, serving
 from loadgen import Target, messages, stream_chat, synthetic_images
 from prometheus_client.parser import text_string_to_metric_families
 from report import _table
@@ -188,18 +186,12 @@ def bench_server(spec: ServerSpec, port: int, model: Path, args: argparse.Namesp
                  log_path: Path) -> dict[str, Any]:
     """Start one server, run the scenarios against it, stop it (by its PID)."""
     out: dict[str, Any] = {"label": spec.label, "argv": spec.argv[1:], "loadavg_1m_at_start": os.getloadavg()[0]}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE.parent)
-        try:
-            started = time.perf_counter()
-            problem = wait_ready(proc, f"http://127.0.0.1:{port}{spec.ready_path}")
-            if problem is not None:
-                return {**out, "failed": f"server {problem}; see {log_path}"}
-            out["ready_s"] = round(time.perf_counter() - started, 1)
-            target = Target(f"http://127.0.0.1:{port}", str(model), spec.extra_body)
-            out.update(asyncio.run(drive(spec, target, args)))
-        finally:
-            stop(proc)
+    with serving(spec, port, env, log_path) as (problem, ready_s):
+        if problem is not None:
+            return {**out, "failed": f"server {problem}; see {log_path}"}
+        out["ready_s"] = round(ready_s, 1)
+        target = Target(f"http://127.0.0.1:{port}", str(model), spec.extra_body)
+        out.update(asyncio.run(drive(spec, target, args)))
     return {**out, "loadavg_1m_at_end": os.getloadavg()[0]}
 
 
