@@ -15,9 +15,9 @@ from server_utils import image_data_url
 from vlmserve.config import DEFAULT_MODEL_NAME
 from vlmserve.testing.demo.dialogues import WEATHER_TOOL, weather_exchange
 from vlmserve.testing.demo.render import render
-from vlmserve.testing.demo.scenes import Scene, Shape
+from vlmserve.testing.demo.scenes import Scene, grid_shape
 
-SCENE = Scene((Shape("triangle", "yellow", 7, 0.7), Shape("square", "red", 2), Shape("star", "blue", 4, 0.65)))
+SCENE = Scene((grid_shape("triangle", "yellow", 7, 0.7), grid_shape("square", "red", 2), grid_shape("star", "blue", 4, 0.65)))
 TOKYO = {"role": "user", "content": "What's the weather in Tokyo in celsius?"}
 GREEDY = {"temperature": 0}  # OpenAI's default is 1: sampled, a less likely unit comes up now and then
 

@@ -12,15 +12,17 @@ from vlmserve.testing.demo.evaluate import DEFAULT_EVAL_N
 
 def add_cli(subparsers: Any) -> None:
     """Register ``train-demo`` and ``eval-demo`` on an ``argparse`` subparsers object."""
-    train = subparsers.add_parser("train-demo", help="train the built-in demo model on synthetic scenes (CPU, ~15 min)")
+    train = subparsers.add_parser("train-demo", help="train the built-in demo model on synthetic scenes (CPU, ~25 min)")
     train.add_argument("--out", type=Path, required=True, help="directory to write the model to (replaced)")
     train.add_argument("--seed", type=int, default=0, help="same seed, byte-identical weights")
     train.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the shipped model's)")
     train.set_defaults(func=_train_command, wants_openblas=True)
 
-    evaluate = subparsers.add_parser("eval-demo", help="score the demo model on held-out scenes")
+    evaluate = subparsers.add_parser(
+        "eval-demo", help="score the demo model on held-out grid scenes, free-position scenes and tests/drawings.py"
+    )
     evaluate.add_argument("--model", type=Path, default=None, help="model directory (default: the built-in demo)")
-    evaluate.add_argument("--n", type=int, default=DEFAULT_EVAL_N, help="held-out scenes (a caption and a question each)")
+    evaluate.add_argument("--n", type=int, default=DEFAULT_EVAL_N, help="held-out scenes of each kind")
     evaluate.set_defaults(func=_eval_command)
 
 
@@ -49,12 +51,18 @@ def _eval_command(args: argparse.Namespace) -> int:
 
 def format_scores(scores: dict[str, Any]) -> str:
     """The scores as a small fixed-width table, then the first failures if any."""
-    rows = [("caption exact match", scores["n_scenes"], scores["caption_exact_match"]),
-            ("qa accuracy", scores["n_scenes"], scores["qa_accuracy"])]  # fmt: skip
-    rows += [(f"  {name}", g["n"], g["accuracy"]) for name, g in scores["groups"].items() if name != "caption"]
-    lines = [f"{'metric':<22}{'n':>6}{'score':>8}", "-" * 36]
-    lines += [f"{name:<22}{n:>6}{value:>8.3f}" for name, n, value in rows]
-    lines.append(f"{'ended by EOS':<22}{'':>6}{scores['stopped_by_eos']:>8.3f}")
-    for failure in scores.get("failures", [])[:5]:
-        lines.append(f"miss: expected {failure['expected']!r}, got {failure['got']!r}")
+    groups = scores["groups"]
+    rows = [("1 grid: caption exact", scores["n_scenes"], scores["caption_exact_match"]),
+            ("  qa accuracy", scores["n_scenes"], scores["qa_accuracy"])]  # fmt: skip
+    rows += [(f"    {name}", g["n"], g["accuracy"]) for name, g in groups.items() if name.startswith("qa_")]
+    if "free_caption" in groups:
+        rows.append(("2 free: caption exact", groups["free_caption"]["n"], groups["free_caption"]["accuracy"]))
+    if "drawing" in groups:
+        rows.append(("3 drawings: named", groups["drawing"]["n"], groups["drawing"]["accuracy"]))
+    rows += [(name, g["n"], g["accuracy"]) for name, g in groups.items() if name in ("tool_call", "tool_result", "small_talk")]
+    lines = [f"{'metric':<24}{'n':>6}{'score':>8}", "-" * 38]
+    lines += [f"{name:<24}{n:>6}{value:>8.3f}" for name, n, value in rows]
+    lines.append(f"{'ended by EOS':<24}{'':>6}{scores['stopped_by_eos']:>8.3f}")
+    for failure in scores.get("failures", [])[:8]:
+        lines.append(f"miss ({failure.get('group', '?')}): expected {failure['expected']!r}, got {failure['got']!r}")
     return "\n".join(lines)

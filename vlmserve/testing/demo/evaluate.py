@@ -2,11 +2,21 @@
 
 The model is loaded by ``vlmserve.engine.loader.load_model`` on an ``MLXWorkerThread`` and every
 answer is decoded greedily by ``generate_tokens`` on a ``ModelRunner``, as ``vlmserve caption``
-does. Each held-out scene shows a (shape, colour, cell) combination training never saw.
+does. Three held-out sets:
+
+1. grid scenes in the classic look, each showing a (shape, colour, cell) combination training
+   never saw: a caption and a question each;
+2. free-position scenes in the varied look on canvases of any aspect ratio, each showing a
+   (shape, colour) pair with its centre in the one region training never put it: a caption each;
+3. drawings made by another routine than training's (``tests/drawings.py``, numpy geometry
+   instead of Pillow, web colours): is every shape named with its colour, and nothing else?
 """
 
 from __future__ import annotations
 
+import importlib.util
+import re
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,11 +40,14 @@ from vlmserve.testing.demo.dialogues import (
     weather_call,
     weather_exchange,
 )  # fmt: skip
-from vlmserve.testing.demo.render import render, sample_style
-from vlmserve.testing.demo.scenes import Scene, sample_question, sample_scene
+from vlmserve.testing.demo.placements import sample_aspect, sample_free_scene
+from vlmserve.testing.demo.render import render, sample_style, sample_varied_style
+from vlmserve.testing.demo.scenes import COLOURS, SHAPES, Scene, sample_question, sample_scene
 
 DEFAULT_EVAL_N = 200
 MAX_TOKENS = 48  # longer than any answer the model was taught
+DRAWINGS = Path(__file__).resolve().parents[3] / "tests" / "drawings.py"  # in a checkout of the repository
+PHRASE = re.compile(rf"\b({'|'.join(COLOURS)}) ({'|'.join(SHAPES)})\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +86,17 @@ class Case:
     expected: str
     images: tuple[Image.Image, ...] = ()
     tools: tuple[dict[str, Any], ...] = ()
+    named: tuple[tuple[str, str], ...] = ()  # drawings: the (colour, shape) pairs a right caption names
+
+    def right(self, text: str) -> bool:
+        if self.group == "drawing":
+            return named_pairs(text) == sorted(self.named)
+        return text.strip() == self.expected
+
+
+def named_pairs(caption: str) -> list[tuple[str, str]]:
+    """The (colour, shape) pairs a caption names, sorted."""
+    return sorted((colour.lower(), shape.lower()) for colour, shape in PHRASE.findall(caption))
 
 
 def held_out_scenes(n: int, seed: int = 0) -> list[tuple[Scene, Image.Image]]:
@@ -82,15 +106,44 @@ def held_out_scenes(n: int, seed: int = 0) -> list[tuple[Scene, Image.Image]]:
     return [(scene, render(scene, sample_style(rng))) for scene in scenes]
 
 
-def eval_cases(n: int, seed: int = 0) -> list[Case]:
-    """Per held-out scene a caption and one question (canonical wording), plus tools and talk."""
+def free_scenes(n: int, seed: int = 0) -> list[tuple[Scene, Image.Image]]:
+    """``n`` held-out free-position scenes in the varied look, on canvases of any aspect ratio."""
+    rng = np.random.default_rng([seed, 6007])
+    out = []
+    for _ in range(n):
+        aspect = sample_aspect(rng)
+        scene = sample_free_scene(rng, "held_out", aspect)
+        out.append((scene, render(scene, sample_varied_style(rng, aspect))))
+    return out
+
+
+def eval_cases(n: int, seed: int = 0, drawings: Path | None = DRAWINGS) -> list[Case]:
+    """Per held-out grid scene a caption and one question (canonical wording), per free scene a
+    caption, the drawings (when ``drawings`` is there), plus tools and talk."""
     rng = np.random.default_rng([seed, 104729])
+    caption = (image_message(CAPTION_PROMPTS[0]),)
     cases = []
     for scene, image in held_out_scenes(n, seed):
         question = sample_question(rng, scene)
-        cases.append(Case("caption", (image_message(CAPTION_PROMPTS[0]),), scene.caption, (image,)))
+        cases.append(Case("caption", caption, scene.caption, (image,)))
         cases.append(Case(f"qa_{question.kind}", (image_message(question_text(question)),), question.answer, (image,)))
+    cases += [Case("free_caption", caption, scene.caption, (image,)) for scene, image in free_scenes(n, seed)]
+    for drawing in load_drawings(drawings):
+        expected = ", ".join(f"{colour} {kind}" for colour, kind in drawing.named)
+        cases.append(Case("drawing", caption, expected, (drawing.image,), named=tuple(drawing.named)))
     return cases + tool_cases(rng) + [Case("small_talk", (user("Hello!"),), GREETING)]
+
+
+def load_drawings(path: Path | None) -> list[Any]:
+    """The fixed drawings of ``tests/drawings.py``; none when the file is not there (an installed wheel)."""
+    if path is None or not path.is_file():
+        return []
+    spec = importlib.util.spec_from_file_location("vlmserve_eval_drawings", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return list(module.drawings())
 
 
 def tool_cases(rng: np.random.Generator) -> list[Case]:
@@ -114,26 +167,30 @@ def score(results: Sequence[tuple[Case, Reply]]) -> dict[str, Any]:
     """Exact-match accuracy per group, QA overall, EOS rate and a few examples."""
     groups: dict[str, list[bool]] = {}
     for case, reply in results:
-        groups.setdefault(case.group, []).append(reply.text.strip() == case.expected)
+        groups.setdefault(case.group, []).append(case.right(reply.text))
     qa = [ok for group, oks in groups.items() if group.startswith("qa_") for ok in oks]
     return {
         "n_scenes": len(groups.get("caption", [])),
         "caption_exact_match": _mean(groups.get("caption", [])),
+        "free_caption_exact_match": _mean(groups.get("free_caption", [])),
+        "drawings_named": _mean(groups.get("drawing", [])),
+        "n_drawings": len(groups.get("drawing", [])),
         "qa_accuracy": _mean(qa),
         "groups": {group: {"n": len(oks), "accuracy": _mean(oks)} for group, oks in sorted(groups.items())},
         "stopped_by_eos": _mean([reply.stopped for _, reply in results]),
         "examples": [{"expected": c.expected, "got": r.text} for c, r in results[:6]],
-        "failures": [{"expected": c.expected, "got": r.text} for c, r in results if r.text.strip() != c.expected][:10],
+        "failures": [{"group": c.group, "expected": c.expected, "got": r.text} for c, r in results if not c.right(r.text)][:30],
     }
 
 
-def evaluate_demo(path: Path, n: int = DEFAULT_EVAL_N, seed: int = 0) -> dict[str, Any]:
-    """Load the model at ``path`` on a worker thread and score it on ``n`` held-out scenes."""
+def evaluate_demo(path: Path, n: int = DEFAULT_EVAL_N, seed: int = 0, drawings: Path | None = DRAWINGS) -> dict[str, Any]:
+    """Load the model at ``path`` on a worker thread and score it on ``n`` held-out scenes of
+    each kind and on the drawings."""
     from vlmserve.engine.loader import load_model
     from vlmserve.engine.worker import MLXWorkerThread
 
     start = time.perf_counter()
-    cases = eval_cases(n, seed)
+    cases = eval_cases(n, seed, drawings)
     worker = MLXWorkerThread(name="mlx-demo-eval")
     worker.start()
     try:

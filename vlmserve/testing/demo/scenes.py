@@ -1,22 +1,25 @@
 """[any] Seeded synthetic scenes for the demo model: shapes, colours, layouts, captions, Q&A.
 
-A scene is a 3 x 3 grid of cells with 1-3 shapes of distinct kinds and distinct colours in
-distinct cells, so every question about one shape has one answer. The grid matches what the
-model sees: a square image becomes 3 x 3 soft tokens, one per cell. Each shape has its own
-size and its own offset inside its cell. Shapes are listed in reading order (top row first,
-left to right), and that is the order of the caption:
+A scene has 1-3 shapes of distinct kinds and distinct colours, so every question about one
+shape has one answer. A shape sits anywhere (its centre as fractions of the width and height);
+the grid scenes sampled here keep each in its own cell of a 3 x 3 grid, which is what the demo
+model was trained on (a square image becomes 3 x 3 soft tokens, one per cell); placements.py
+samples free-position scenes. Shapes are listed in reading order, rows top to bottom and left
+to right within a row, and that is the order of the caption:
 
     one shape     "A red circle."
     two shapes    "A red circle above a blue square."          (different rows)
-                  "A green star to the left of a red square."  (same row)
+                  "A green star to the left of a red square."  (one row)
     three shapes  "A red circle, a blue square and a green triangle."
 
-Held out: every (shape, colour) pair is kept out of training in one cell, 20 of the 180
-(shape, colour, cell) combinations. Evaluation uses only scenes that show at least one of them.
+Held out: every (shape, colour) pair is kept out of training in one region (a cell of the 3 x 3
+grid), 20 of the 180 (shape, colour, region) combinations. Evaluation uses only scenes that
+show at least one of them.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,37 +49,40 @@ Split = Literal["train", "held_out"]
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """One shape in grid cell ``cell`` (row-major); ``size`` is its width as a fraction of the
-    cell, ``dx``/``dy`` its centre's offset from the cell's centre, also in cells."""
+    """One shape: its centre ``x``, ``y`` as fractions of the canvas's width and height (y grows
+    downwards), ``size`` its width as a fraction of the canvas's shorter side."""
 
     kind: str
     colour: str
-    cell: int
-    size: float = 0.8
-    dx: float = 0.0
-    dy: float = 0.0
+    x: float
+    y: float
+    size: float = 0.8 / GRID
     angle: float = 0.0  # degrees; small, so a triangle still points up
 
     @property
-    def row(self) -> int:
-        return self.cell // GRID
+    def region(self) -> int:
+        """The cell of the 3 x 3 grid (row-major) the centre falls in: where held-out pairs live."""
+        return min(int(self.y * GRID), GRID - 1) * GRID + min(int(self.x * GRID), GRID - 1)
 
     @property
-    def column(self) -> int:
-        return self.cell % GRID
-
-    @property
-    def x(self) -> float:
-        """Centre, as a fraction of the image side (y grows downwards)."""
-        return (self.column + 0.5 + self.dx) / GRID
-
-    @property
-    def y(self) -> float:
-        return (self.row + 0.5 + self.dy) / GRID
+    def cell(self) -> int:
+        """A grid shape's cell (its centre stays inside it): the same as ``region``."""
+        return self.region
 
     @property
     def phrase(self) -> str:
         return f"a {self.colour} {self.kind}"
+
+
+def grid_shape(
+    kind: str, colour: str, cell: int, size: float = 0.8, dx: float = 0.0, dy: float = 0.0, angle: float = 0.0
+) -> Shape:
+    """A shape in cell ``cell`` of the 3 x 3 grid (row-major): ``size`` is its width as a fraction
+    of the cell, ``dx``/``dy`` its centre's offset from the cell's centre, also in cells."""
+    if not 0 <= cell < CELLS:
+        raise ValueError(f"the grid has cells 0-{CELLS - 1}: {cell}")
+    row, column = divmod(cell, GRID)
+    return Shape(kind, colour, (column + 0.5 + dx) / GRID, (row + 0.5 + dy) / GRID, size / GRID, angle)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,15 +92,19 @@ class Scene:
     shapes: tuple[Shape, ...]
 
     def __post_init__(self) -> None:
-        cells = [s.cell for s in self.shapes]
-        if not 1 <= len(cells) <= 3 or len(set(cells)) != len(cells) or not all(0 <= c < CELLS for c in cells):
-            raise ValueError(f"a scene has 1-3 shapes in distinct cells of the {GRID}x{GRID} grid: {cells}")
-        if len({s.kind for s in self.shapes}) != len(cells) or len({s.colour for s in self.shapes}) != len(cells):
+        if not 1 <= len(self.shapes) <= 3:
+            raise ValueError(f"a scene has 1-3 shapes: {len(self.shapes)}")
+        n = len(self.shapes)
+        if len({s.kind for s in self.shapes}) != n or len({s.colour for s in self.shapes}) != n:
             raise ValueError("the shapes of a scene have distinct kinds and distinct colours")
+        for a, b in itertools.combinations(self.shapes, 2):
+            if ROW_SPREAD < abs(a.y - b.y) < ROW_GAP or (abs(a.y - b.y) <= ROW_SPREAD and a.x == b.x):
+                raise ValueError(f"{a.phrase} and {b.phrase}: neither clearly in one row nor in two")
 
     @property
     def ordered(self) -> tuple[Shape, ...]:
-        return tuple(sorted(self.shapes, key=lambda s: s.cell))
+        """Reading order: rows top to bottom, left to right within a row (see ``rows``)."""
+        return tuple(shape for row in rows(self.shapes) for shape in sorted(row, key=lambda s: s.x))
 
     @property
     def caption(self) -> str:
@@ -113,15 +123,37 @@ class Scene:
 
     @property
     def held_out(self) -> bool:
-        """Whether the scene shows a (shape, colour, cell) combination training never sees."""
-        return any((s.kind, s.colour, s.cell) in HELD_OUT_TRIPLES for s in self.shapes)
+        """Whether the scene shows a (shape, colour, region) combination training never sees."""
+        return any((s.kind, s.colour, s.region) in HELD_OUT_TRIPLES for s in self.shapes)
+
+
+# Two shapes are in one row when their centres are at most ROW_SPREAD of the height apart, and
+# in different rows from ROW_GAP on; scenes in between are refused, so every caption is clear.
+# The grid's scenes fit: one row spreads at most 0.113, two rows are at least 0.22 apart.
+ROW_SPREAD = 0.12
+ROW_GAP = 0.2
+
+
+def rows(shapes: tuple[Shape, ...]) -> list[list[Shape]]:
+    """The shapes grouped into rows, top row first."""
+    grouped: list[list[Shape]] = []
+    for shape in sorted(shapes, key=lambda s: s.y):
+        if grouped and shape.y - grouped[-1][0].y <= ROW_SPREAD:
+            grouped[-1].append(shape)
+        else:
+            grouped.append([shape])
+    return grouped
 
 
 def relation(first: Shape, second: Shape) -> str:
     """How a caption relates ``first`` to ``second``, the next shape in reading order."""
-    if first.cell > second.cell:
+    if abs(first.y - second.y) <= ROW_SPREAD:
+        if first.x > second.x:
+            raise ValueError("the first shape comes first in reading order")
+        return "to the left of"
+    if first.y > second.y:
         raise ValueError("the first shape comes first in reading order")
-    return "to the left of" if first.row == second.row else "above"
+    return "above"
 
 
 # -- questions -------------------------------------------------------------------------
@@ -197,9 +229,11 @@ def _random_scene(rng: np.random.Generator) -> Scene:
     return Scene(tuple(_shape(rng, *spec) for spec in zip(kinds, colours, cells)))
 
 
+TILT = {"circle": 0.0, "square": 6.0, "triangle": 10.0, "star": 12.0}  # largest rotation drawn, degrees
+
+
 def _shape(rng: np.random.Generator, kind: str, colour: str, cell: int) -> Shape:
     size = float(rng.uniform(*SIZE_RANGE))
     slack = max(0.0, (1 - size) / 2 - CELL_MARGIN)
     dx, dy = (float(rng.uniform(-slack, slack)) for _ in range(2))
-    tilt = {"circle": 0.0, "square": 6.0, "triangle": 10.0, "star": 12.0}[kind]
-    return Shape(kind, colour, cell, size, dx, dy, float(rng.uniform(-tilt, tilt)))
+    return grid_shape(kind, colour, cell, size, dx, dy, float(rng.uniform(-TILT[kind], TILT[kind])))
