@@ -12,7 +12,7 @@ from vlmserve.testing.demo.evaluate import DEFAULT_EVAL_N
 
 def add_cli(subparsers: Any) -> None:
     """Register ``train-demo`` and ``eval-demo`` on an ``argparse`` subparsers object."""
-    train = subparsers.add_parser("train-demo", help="train the built-in demo model on synthetic scenes (CPU, ~25 min)")
+    train = subparsers.add_parser("train-demo", help="train the built-in demo model on synthetic scenes (CPU, ~15 min)")
     train.add_argument("--out", type=Path, required=True, help="directory to write the model to (replaced)")
     train.add_argument("--seed", type=int, default=0, help="same seed, byte-identical weights")
     train.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the shipped model's)")
