@@ -127,8 +127,11 @@ def _scores(scores: dict[str, Any] | None) -> str:
         ("2. free-position scenes, caption exact", scores["free_caption_exact_match"], 0.95),
         ("3. drawings by another routine, every shape named with its colour", scores["drawings_named"], 0.90),
     )
+    if not scores["n_drawings"]:  # an installed wheel has no tests/drawings.py
+        targets = targets[:2]
     lines = "\n".join(
-        f"- {name}: **{value:.3f}** (target {target:.2f}: {'met' if value >= target else 'MISSED'})" for name, value, target in targets
+        f"- {name}: **{value:.3f}** (issue 16's target {target:.2f}: {'met' if value >= target else 'MISSED'})"
+        for name, value, target in targets
     )
     return (
         "## Held-out scores\n\n"
