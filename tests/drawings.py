@@ -6,8 +6,8 @@ a point-in-polygon test), at 4x resolution, then averaged down, so edges are ant
 a drawing program's are. The colours are named web colours, not training's palette; sizes are
 50-110 px on mostly 224 x 224 canvases, as a newcomer would draw; outlines are 3-8 px wide.
 
-``drawings()`` is a fixed list (seeded); ``eval-demo`` loads this file to score the model on it,
-and ``test_demo.py`` holds the committed model to the card's target.
+``drawings()`` is a fixed list (seeded); ``eval-demo`` loads this file to score a model on it
+(set 3 of the model card).
 """
 
 from __future__ import annotations

@@ -191,6 +191,26 @@ def test_captions_are_scored_by_the_pairs_they_name() -> None:
     assert named_pairs("Hello! Show me a picture.") == []
 
 
+def test_model_card_reports_each_set_against_its_target(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from vlmserve.testing.demo.card import write_model_card
+
+    for name in ("model.safetensors", "training.json"):
+        shutil.copy(demo_model_path() / name, tmp_path / name)
+    info = json.loads((tmp_path / "training.json").read_text())
+    groups = {"caption": {"n": 4, "accuracy": 1.0}, "free_caption": {"n": 4, "accuracy": 0.5}, "drawing": {"n": 120, "accuracy": 0.925}}
+    scores = {"n_scenes": 4, "caption_exact_match": 1.0, "free_caption_exact_match": 0.5, "drawings_named": 0.925,
+              "n_drawings": 120, "qa_accuracy": 1.0, "stopped_by_eos": 1.0, "groups": groups}  # fmt: skip
+    card = write_model_card(tmp_path, info, scores).read_text()
+    assert "caption exact: **1.000** (issue 16's target 0.95: met)" in card
+    assert "caption exact: **0.500** (issue 16's target 0.95: MISSED)" in card
+    assert "named with its colour: **0.925** (issue 16's target 0.90: met)" in card
+    card = write_model_card(tmp_path, info, {**scores, "n_drawings": 0, "drawings_named": 0.0}).read_text()
+    assert "named with its colour" not in card  # not run: no tests/drawings.py in an installed wheel
+
+
 def test_rendering_draws_the_colours() -> None:
     pixels = np.asarray(render(Scene((RED_CIRCLE, BLUE_SQUARE)), Style(side=99)))
     assert tuple(pixels[16, 49]) == (220, 30, 30)  # the circle's centre: top row, middle column
