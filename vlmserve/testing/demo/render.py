@@ -101,7 +101,8 @@ def sample_varied_style(rng: np.random.Generator, aspect: float = 1.0) -> Style:
 @dataclass(frozen=True, slots=True)
 class Look:
     """How one shape is drawn: its colour, its outline's width in canvas px (0: filled), which
-    primitive (a draw in [0, 1): see ``_draw_look``) and how deep a star's notches go."""
+    primitive for a square or triangle (a draw in [0, 1): see ``_draw_look``) and how deep a
+    star's notches go."""
 
     colour: RGB
     line: int = 0
@@ -160,7 +161,7 @@ def _draw_look(
     line = max(1, round(look.line * scale)) if look.line else 0
     fill, outline = (None, ink) if line else (ink, None)
     cx, cy, r = shape.x * width, shape.y * height, shape.size * min(width, height) / 2
-    if shape.kind == "circle" and look.primitive < 0.8:
+    if shape.kind == "circle":
         draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill, outline=outline, width=line)
     elif shape.kind == "square" and look.primitive < 0.4:
         draw.rectangle((cx - r, cy - r, cx + r, cy + r), fill=fill, outline=outline, width=line)
@@ -176,9 +177,6 @@ def _draw_polygon(
     draw: ImageDraw.ImageDraw, shape: Shape, cx: float, cy: float, r: float, fill: RGB | int | None,
     outline: RGB | int | None, line: int, star_inner: float,
 ) -> None:  # fmt: skip
-    if shape.kind == "circle":
-        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill, outline=outline, width=line)
-        return
     if shape.kind == "square":
         corners = [(-r, -r), (r, -r), (r, r), (-r, r)]
     elif shape.kind == "triangle":

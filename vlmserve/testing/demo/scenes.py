@@ -65,11 +65,6 @@ class Shape:
         return min(int(self.y * GRID), GRID - 1) * GRID + min(int(self.x * GRID), GRID - 1)
 
     @property
-    def cell(self) -> int:
-        """A grid shape's cell (its centre stays inside it): the same as ``region``."""
-        return self.region
-
-    @property
     def phrase(self) -> str:
         return f"a {self.colour} {self.kind}"
 

@@ -33,7 +33,7 @@ def cell_labels(scene: Scene, names: tuple[str, ...], attribute: str) -> np.ndar
     in ``names`` of the ``attribute`` (kind or colour) of the shape there."""
     labels = np.zeros(CELLS, dtype=np.int32)
     for shape in scene.shapes:
-        labels[shape.cell] = names.index(getattr(shape, attribute)) + 1
+        labels[shape.region] = names.index(getattr(shape, attribute)) + 1  # a grid shape's cell
     return labels
 
 
