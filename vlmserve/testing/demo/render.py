@@ -135,7 +135,7 @@ def render(scene: Scene, style: Style = Style()) -> Image.Image:
     image = _background(style, width * scale, height * scale)
     draw = ImageDraw.Draw(image)
     for shape, look in zip(scene.shapes, looks(scene, style)):
-        _draw_look(draw, shape, look, width * scale, height * scale, scale, look.colour)
+        _draw_look(draw, shape, look, width * scale, height * scale, scale)
     if scale > 1:
         image = image.resize((width, height), Image.Resampling.LANCZOS)
     if style.noise:
@@ -154,12 +154,10 @@ def varied_colour(rng: np.random.Generator, colour: str) -> RGB:
     return _rgb(np.array(colorsys.hsv_to_rgb(hue, saturation, value)) * 255)
 
 
-def _draw_look(
-    draw: ImageDraw.ImageDraw, shape: Shape, look: Look, width: int, height: int, scale: float, ink: RGB | int
-) -> None:
+def _draw_look(draw: ImageDraw.ImageDraw, shape: Shape, look: Look, width: int, height: int, scale: float) -> None:
     """One shape on a ``width`` x ``height`` drawing, ``scale`` drawn px per canvas px."""
     line = max(1, round(look.line * scale)) if look.line else 0
-    fill, outline = (None, ink) if line else (ink, None)
+    fill, outline = (None, look.colour) if line else (look.colour, None)
     cx, cy, r = shape.x * width, shape.y * height, shape.size * min(width, height) / 2
     if shape.kind == "circle":
         draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill, outline=outline, width=line)
