@@ -202,15 +202,15 @@ async def _sse(call: Call, first: RequestOutput, stream: AsyncIterator[RequestOu
     b = call.builder
     status = "disconnected"
     try:
-        yield _event(b.chunk({"role": "assistant", "content": ""}))
+        yield sse_event(b.chunk({"role": "assistant", "content": ""}))
         out: RequestOutput | None = first
         while out is not None:
             if out.finish_reason == "error":
                 status = "error"
-                yield _event(engine_fault(b.id, out.error).body())
+                yield sse_event(engine_fault(b.id, out.error).body())
                 break
             for chunk in _chunks(b, out, call):
-                yield _event(chunk)
+                yield sse_event(chunk)
             if out.finished:
                 status = call.finish
                 break
@@ -245,5 +245,13 @@ def _chunks(b: ChoiceBuilder, out: RequestOutput, call: Call) -> list[dict[str, 
     return chunks
 
 
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+# JSON leaves these three line breaks raw, and readers that split lines as Python's str.splitlines
+# does (httpx's iter_lines among them) would get an event cut in two. Models emit them from byte
+# tokens; escaped, the text a client decodes is the same.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_event(payload: dict[str, Any], kind: str | None = None) -> str:
+    """One server-sent event: ``payload`` as one line of JSON that every SSE reader keeps whole."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+    return f"event: {kind}\ndata: {data}\n\n" if kind else f"data: {data}\n\n"

@@ -10,7 +10,6 @@ and end with ``response.completed`` (or ``response.incomplete`` at ``max_output_
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,7 +18,16 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from vlmserve.api.chat import GONE, SSE_HEADERS, Call, engine_fault, open_call, run_to_end, until_done_or_disconnect
+from vlmserve.api.chat import (
+    GONE,
+    SSE_HEADERS,
+    Call,
+    engine_fault,
+    open_call,
+    run_to_end,
+    sse_event,
+    until_done_or_disconnect,
+)
 from vlmserve.api.responses_input import ResponsesRequest, to_chat_request
 from vlmserve.api.state import ServerState
 from vlmserve.frontend.output import RequestOutput
@@ -109,7 +117,7 @@ class _Events:
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return sse_event(payload, kind)
 
     def start(self, kind: str, item: dict[str, Any], text: str = "") -> list[str]:
         events = self.close()
