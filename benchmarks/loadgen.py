@@ -13,7 +13,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -128,7 +128,7 @@ async def _stream(client: httpx.AsyncClient, target: Target, msgs: list[dict[str
             text = (await response.aread()).decode(errors="replace")
             result.error = f"HTTP {response.status_code}: {text[:300]}"
             return
-        async for line in response.aiter_lines():
+        async for line in _sse_lines(response):
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
@@ -137,6 +137,18 @@ async def _stream(client: httpx.AsyncClient, target: Target, msgs: list[dict[str
             _on_chunk(json.loads(data), result)
             if cancel_after is not None and len(result.chunk_times) >= cancel_after:
                 return  # leaving the context manager closes the connection: a client disconnect
+
+
+async def _sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The stream's lines, split at LF (and CRLF) only: a server may send U+2028 or U+0085 raw inside
+    its JSON, where httpx's aiter_lines, which splits as str.splitlines does, cuts an event in two."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending
 
 
 def _on_chunk(chunk: dict[str, Any], result: RequestResult) -> None:
