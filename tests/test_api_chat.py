@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import httpx
 import pytest
 from conftest import scene
@@ -86,17 +84,6 @@ def test_stop_strings(client, model_name):
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hello"}], stop=[stop], **GREEDY)
     assert r.choices[0].message.content == text[: text.find(stop)] and r.choices[0].finish_reason == "stop"
-
-
-def test_logprobs(client, model_name):
-    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hello"}],
-                                       logprobs=True, top_logprobs=2, **GREEDY)
-    content = r.choices[0].logprobs.content
-    assert len(content) == 12
-    for entry in content:
-        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
-        assert math.isclose(entry.top_logprobs[0].logprob, entry.logprob, abs_tol=1e-4)
-        assert entry.bytes == list(entry.token.encode())
 
 
 def test_seeded_sampling_is_reproducible(client, model_name):

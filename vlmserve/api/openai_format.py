@@ -8,6 +8,7 @@ from typing import Any
 
 from vlmserve.frontend.output import RequestOutput
 from vlmserve.frontend.reasoning import ReasoningSplitter
+from vlmserve.frontend.token_bytes import token_text_and_bytes
 from vlmserve.tools import ContentDelta, ToolCallDelta, ToolCallStreamParser
 
 
@@ -98,8 +99,8 @@ class ChoiceBuilder:
         return entry
 
     def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self._tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        text, raw = token_text_and_bytes(self._tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:

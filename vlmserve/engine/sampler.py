@@ -75,8 +75,9 @@ class SampledBatch:
         want = self.wants_logprobs[row]
         if not want:
             return Sample(token)
-        top = tuple(zip(self._values[2][row][: want - 1], self._values[3][row][: want - 1])) if want > 1 else ()
-        return Sample(token, TokenLogprob(token, self._values[1][row], top))
+        top = zip(self._values[2][row][: want - 1], self._values[3][row][: want - 1]) if want > 1 else ()
+        # A token the grammar ruled out (-inf) is not among the likely ones, and JSON has no -inf.
+        return Sample(token, TokenLogprob(token, self._values[1][row], tuple(t for t in top if t[1] > -math.inf)))
 
 
 def sample(logits: mx.array, rows: Sequence[RowState], inputs: mx.array | None = None,
