@@ -93,6 +93,15 @@ def test_seeded_sampling_is_reproducible(client, model_name):
     assert a == b
 
 
+def test_logit_bias_forces_a_token_through_the_sdk(client, model_name):
+    plain = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hello"}], **GREEDY)
+    forced = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hello"}],
+                                            logit_bias={"42": 100}, logprobs=True, **GREEDY)
+    tokens = {entry.token for entry in forced.choices[0].logprobs.content}
+    assert len(tokens) == 1 and forced.choices[0].message.content == tokens.pop() * 12
+    assert forced.choices[0].message.content != plain.choices[0].message.content
+
+
 def test_tools_reach_the_chat_template(client, model_name, server):
     # The prompt grows by the rendered declaration; the exact rendering is covered by the template tests.
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",

@@ -1,4 +1,4 @@
-"""Per-request sampling through the real engine: seeds, top-k/p, penalties, stops, logprobs, limits."""
+"""Per-request sampling through the real engine: seeds, top-k/p, penalties, logit bias, stops, logprobs, limits."""
 
 from __future__ import annotations
 
@@ -108,6 +108,27 @@ def test_logprobs_and_top_logprobs(gemma4_micro):
         assert len(lp.top) == 3 and lp.top[0][0] == token  # greedy picks the top-1
         assert math.isclose(lp.top[0][1], lp.logprob, abs_tol=1e-5)
         assert [p for _, p in lp.top] == sorted((p for _, p in lp.top), reverse=True)
+
+
+def test_logit_bias_bans_and_forces_tokens_in_one_row_of_a_batch(gemma4_micro):
+    """-100 bans a token and +100 forces one, greedy or sampled, while the unbiased neighbour in the
+    same batch decodes exactly as it does alone."""
+    plain = SamplingParams(max_tokens=16, ignore_eos=True)
+
+    async def scenario():
+        async with running_engine(gemma4_micro, max_batch_size=4) as engine:
+            alone = await collect(engine, "alone", "hello", [], plain)
+            banned = SamplingParams(max_tokens=16, ignore_eos=True, logit_bias=tuple((t, -100.0) for t in alone.token_ids))
+            forced = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=3,
+                                    logit_bias=((alone.token_ids[0], -100.0), (42, 100.0)))
+            together = await asyncio.gather(*(collect(engine, f"r{i}", "hello", [], p)
+                                              for i, p in enumerate((plain, banned, forced))))
+            return alone, together
+
+    alone, (neighbour, banned, forced) = asyncio.run(scenario())
+    assert neighbour.token_ids == alone.token_ids
+    assert len(banned.token_ids) == 16 and not set(banned.token_ids) & set(alone.token_ids)
+    assert forced.token_ids == [42] * 16
 
 
 def test_bounded_queue_fails_fast_when_full(gemma4_micro):

@@ -102,18 +102,18 @@ async def open_call(req: ChatCompletionRequest, http: Request, state: ServerStat
                        None, "shutting_down")
     served = state.model(req.model)
     chat = to_chat_input(req, state.media.max_images)
-    params = to_sampling_params(req, state.default_max_tokens)
+    engine = served.engine
+    tokenizer = engine.loaded.tokenizer if engine.loaded else None
+    params = to_sampling_params(req, state.default_max_tokens, len(tokenizer) if tokenizer is not None else 0)
     if chat.tools and served.tool_parser:
         params = dataclasses.replace(params, skip_special_tokens=False)  # the parser needs the markers
-    engine = served.engine
     wanted = guide_spec(req, served.tool_parser)
     if wanted is not None:
         try:
             params = dataclasses.replace(params, guide=await engine.guide(wanted[0]))
         except (GuideError, ValueError) as exc:
             raise bad_request(f"{wanted[1]}: {exc}", wanted[1], "invalid_grammar") from None
-    builder = ChoiceBuilder(request_id, served.name, engine.loaded.tokenizer if engine.loaded else None,
-                            served.tool_parser, chat.tools, engine.opens_reasoning)
+    builder = ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools, engine.opens_reasoning)
     call = Call(state, served, req, builder, time.perf_counter())
     stream = engine.generate(request_id, prompt_factory(chat, state.media, request_id), params)
     first = await until_done_or_disconnect(http, _first_output(stream, call), stream)

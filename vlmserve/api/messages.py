@@ -140,7 +140,7 @@ def guide_spec(req: ChatCompletionRequest, tool_format: str | None) -> tuple[Gui
     return None
 
 
-def to_sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
+def to_sampling_params(req: ChatCompletionRequest, default_max_tokens: int, vocab_size: int) -> SamplingParams:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if len(stop) > 8:
         raise bad_request("stop: at most 8 stop sequences", "stop")
@@ -162,6 +162,22 @@ def to_sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> S
             ignore_eos=req.ignore_eos,
             logprobs=bool(req.logprobs),
             top_logprobs=req.top_logprobs or 0,
+            logit_bias=_logit_bias(req.logit_bias or {}, vocab_size),
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+
+
+def _logit_bias(bias: dict[str, float], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as strings) as (id, bias) pairs, each id a token of the model's."""
+    pairs = []
+    for key, value in bias.items():
+        token = int(key) if key.strip().isdecimal() else -1
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias: {key!r} is not a token id of this model (0 to {vocab_size - 1})",
+                              "logit_bias", "invalid_value")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias: the bias of token {token} is {value}; biases are in [-100, 100]",
+                              "logit_bias", "invalid_value")
+        pairs.append((token, float(value)))
+    return tuple(pairs)

@@ -110,6 +110,7 @@ class ChatCompletionRequest(_Lenient):
     repetition_penalty: float | None = Field(default=None, gt=0)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)  # token id (a string) to bias
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[Tool] | None = None

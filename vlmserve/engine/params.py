@@ -38,6 +38,7 @@ class SamplingParams:
     top_logprobs: int = 0
     skip_special_tokens: bool = True  # False keeps tool-call markers in the text for the parser
     guide: Guide | None = None  # constrained decoding: only tokens the grammar allows
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, what to add to its logit), as OpenAI's
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -52,6 +53,8 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError("top_logprobs must be in [0, 20]")
+        if any(t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias):
+            raise ValueError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

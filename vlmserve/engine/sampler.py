@@ -1,9 +1,10 @@
-"""[worker] Per-row sampling over one step's logits: greedy, temperature, top-k/p, min-p, penalties, logprobs.
+"""[worker] Per-row sampling over one step's logits: greedy, temperature, top-k/p, min-p, penalties, bias, logprobs.
 
 ``sample`` builds the graph and evaluates nothing, so the runner can dispatch a decode step with
 ``mx.async_eval`` and read it a step later. Only what some row needs is computed: greedy rows
 take an argmax of the raw logits; the full-vocabulary log-softmax runs only for rows that asked
-for logprobs; penalties keep each row's recent tokens on the device.
+for logprobs; penalties keep each row's recent tokens on the device; a row's ``logit_bias`` goes to
+the device once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class RowState:
     key: mx.array | None = None
     history: mx.array | None = None  # the last PENALTY_CONTEXT tokens, for penalties only
     matcher: Any = None  # constrained decoding: this request's own copy of its grammar's matcher (engine/guided.py)
+    bias: tuple[mx.array, mx.array] | None = None  # logit_bias as device arrays (ids, values), made at first use
 
     @classmethod
     def create(cls, params: SamplingParams, context: Sequence[int]) -> RowState:
@@ -86,8 +88,8 @@ def sample(logits: mx.array, rows: Sequence[RowState], inputs: mx.array | None =
     just fed, which join each penalised row's history first; ``allowed`` (``[B, vocab]`` bool, from
     constrained decoding) rules the other tokens out."""
     assert logits.shape[0] == len(rows)
-    if any(r.params.needs_history for r in rows):
-        logits = mx.concatenate([_penalize(logits[i], r, inputs, i)[None] for i, r in enumerate(rows)])
+    if any(r.params.needs_history or r.params.logit_bias for r in rows):
+        logits = mx.concatenate([_bias(_penalize(logits[i], r, inputs, i), r)[None] for i, r in enumerate(rows)])
     if allowed is not None:
         logits = mx.where(allowed, logits, -math.inf)
     wants = tuple((1 + r.params.top_logprobs) if r.params.logprobs else 0 for r in rows)
@@ -155,3 +157,16 @@ def _penalize(logits: mx.array, row: RowState, inputs: mx.array | None, i: int) 
         rp = p.repetition_penalty
         logits = mx.where(seen, mx.where(logits < 0, logits * rp, logits / rp), logits)
     return logits - p.presence_penalty * seen - p.frequency_penalty * counts
+
+
+def _bias(logits: mx.array, row: RowState) -> mx.array:
+    """One row (``[vocab]``) with its request's ``logit_bias`` added; ids past the logits are ignored."""
+    if not row.params.logit_bias:
+        return logits
+    if row.bias is None:
+        kept = [(t, b) for t, b in row.params.logit_bias if t < logits.shape[-1]]
+        row.bias = (mx.array([t for t, _ in kept], dtype=mx.int32), mx.array([b for _, b in kept], dtype=mx.float32))
+    ids, values = row.bias
+    if ids.size == 0:
+        return logits
+    return logits.astype(mx.float32).at[ids].add(values)
