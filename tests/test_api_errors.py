@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import httpx
 import pytest
@@ -77,6 +78,21 @@ def test_invalid_bodies_say_which_field_and_why(server, model_name, body, param,
 def test_body_that_is_not_json(server, model_name):
     _assert_error(_post(server, None, {"content-type": "application/json"}, content=b"{nope"), 400, says="not valid JSON")
     _ok(server, model_name)
+
+
+@pytest.mark.parametrize("content", ['"a\\ud800b"', '[{"type": "text", "text": "\\udc00"}]'])
+def test_an_unpaired_surrogate_is_a_400_naming_it(server, model_name, content):
+    """JSON can write half a UTF-16 surrogate pair alone (``"\\ud800"``): no character, and no
+    tokenizer takes it. A whole pair (``"\\ud83d\\ude00"``, an emoji) is one character, and is served."""
+
+    def post(content: str):
+        body = f'{{"model": {json.dumps(model_name)}, "max_tokens": 2, "messages": [{{"role": "user", "content": {content}}}]}}'
+        return _post(server, None, {"content-type": "application/json"}, content=body.encode())
+
+    error = _assert_error(post(content), 400, "messages", "surrogate pair, alone")
+    assert error["message"].startswith("messages.0: the text contains U+D")
+    whole = content.replace("\\ud800", "\\ud83d\\ude00").replace("\\udc00", "\\ud83d\\ude00")
+    assert post(whole).status_code == 200
 
 
 BAD_IMAGES = [

@@ -65,6 +65,19 @@ class ControlTokens:
         return None
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a pair (JSON's \ud83d\ude00) decodes to one character
+
+
+def unpaired_surrogate(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+                       instructions: str) -> tuple[str, str] | None:
+    """``(where, code point)`` for the first half of a UTF-16 pair left alone in any client text. JSON can
+    carry one (``"\\ud800"``), Unicode text cannot, and no tokenizer takes it."""
+    for where, text in _texts(messages, tools, instructions):
+        if found := _SURROGATE.search(text):
+            return where, f"U+{ord(found.group()):04X}"
+    return None
+
+
 def _texts(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
            instructions: str) -> Iterator[tuple[str, str]]:
     for i, message in enumerate(messages):
