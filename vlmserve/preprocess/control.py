@@ -5,6 +5,7 @@ token's string as that token. So ``<|image|>`` typed into a message would become
 placeholder, and ``<end_of_turn>`` would end the user's turn early. vlmserve refuses such text with
 a 400 naming the token, instead of guessing an escape that each tokenizer would read differently.
 Non-special added tokens (PaliGemma's ``<loc0042>``, Qwen's ``<tool_call>``) are ordinary content.
+The same walk over the client's text refuses half a UTF-16 surrogate pair left alone.
 """
 
 from __future__ import annotations
@@ -55,27 +56,23 @@ class ControlTokens:
                     return text[at:at + length]
         return None
 
-    def check(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
-              instructions: str) -> tuple[str, str] | None:
-        """``(where, token)`` for the first control token in any client text, or None."""
+    def refusal(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+                instructions: str) -> str | None:
+        """Why the client's text cannot become a prompt, naming where, or None: a control token typed
+        as text, or half of a UTF-16 surrogate pair alone (JSON can carry ``"\\ud800"``, Unicode text
+        cannot, and no tokenizer takes it)."""
         for where, text in _texts(messages, tools, instructions):
+            if alone := _SURROGATE.search(text):
+                return (f"{where}: the text contains U+{ord(alone.group()):04X}, half of a UTF-16 surrogate pair, "
+                        "alone; it is not a character")
             token = self.first_in(text)
             if token is not None:
-                return where, token
+                return (f"{where}: the text contains {token!r}, a control token of this model; special tokens "
+                        "cannot be sent as text")
         return None
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")  # a pair (JSON's \ud83d\ude00) decodes to one character
-
-
-def unpaired_surrogate(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
-                       instructions: str) -> tuple[str, str] | None:
-    """``(where, code point)`` for the first half of a UTF-16 pair left alone in any client text. JSON can
-    carry one (``"\\ud800"``), Unicode text cannot, and no tokenizer takes it."""
-    for where, text in _texts(messages, tools, instructions):
-        if found := _SURROGATE.search(text):
-            return where, f"U+{ord(found.group()):04X}"
-    return None
 
 
 def _texts(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,

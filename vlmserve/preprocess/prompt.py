@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 from vlmserve.engine.params import HostArray, PromptInputs
-from vlmserve.preprocess.control import ControlTokens, unpaired_surrogate
+from vlmserve.preprocess.control import ControlTokens
 from vlmserve.preprocess.image_items import image_items
 from vlmserve.preprocess.template import TemplateInfo, adapt_messages, inspect_template
 
@@ -96,14 +96,9 @@ def build_prompt(
     count = sum(_count_images(m) for m in messages)
     if count != len(images):
         raise PromptError(f"{count} image parts in the messages but {len(images)} images given")
-    alone = unpaired_surrogate(messages, tools, instructions)
-    if alone is not None:
-        raise PromptError(f"{alone[0]}: the text contains {alone[1]}, half of a UTF-16 surrogate pair, alone; "
-                          "it is not a character")
-    typed = control.check(messages, tools, instructions)
-    if typed is not None:
-        raise PromptError(f"{typed[0]}: the text contains {typed[1]!r}, a control token of this model; "
-                          "special tokens cannot be sent as text")
+    refused = control.refusal(messages, tools, instructions)
+    if refused is not None:
+        raise PromptError(refused)
     messages, tools = adapt_messages(messages, tools, template, instructions)
     text = render_chat(processor, messages, tools)
     try:
