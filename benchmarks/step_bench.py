@@ -3,7 +3,7 @@
     python benchmarks/step_bench.py [--arch gemma4] [--size small] [--quick] [--json PATH]
 
 On one MLXWorkerThread (as the engine runs it): build a batch of B requests with ModelRunner
-(begin, prefill the whole prompt, join), then time N of the model's own batched decode steps with
+(enter and embed, prefill the whole prompt into the batch), then time N of the model's own batched decode steps with
 a greedy argmax, no engine around them, twice: synchronous (build, evaluate, read each step) and
 pipelined as mlx-lm's generators run it (step n+1 dispatched with ``mx.async_eval`` before step
 n is read). The pipelined step is the limit the engine is held to. The prompts are the load generator's: one image + 12 words.
@@ -42,17 +42,17 @@ def _prompts(processor: Any, count: int, words: int, with_image: bool) -> tuple[
 
 
 def _prefill(runner: Any, request_id: str, prompt: Any) -> float:
-    """Prefill one request alone, in one piece, and join the batch; returns the seconds it took."""
+    """Embed and prefill one request alone, in one piece, into the batch (two plans through
+    ``ModelRunner.execute``); returns the seconds it took."""
     from vlmserve.engine.params import SamplingParams
+    from vlmserve.engine.plan import NewRequest, PrefillChunk, SchedulerOutput
 
     start = time.perf_counter()
-    runner.begin(request_id, prompt, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
-    runner.embed([request_id])
-    while runner.prefill(request_id, runner.prompt_length(request_id)) is None:
-        pass
-    elapsed = time.perf_counter() - start
-    runner.join([request_id])
-    return elapsed
+    new = NewRequest(request_id, prompt, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
+    out = runner.execute(SchedulerOutput(new=[new], encode=[request_id]))
+    out = runner.execute(SchedulerOutput(prefill=[PrefillChunk(request_id, 0, out.prompt_lengths[request_id])]))
+    assert not out.errors, out.errors
+    return time.perf_counter() - start
 
 
 def _raw_steps(runner: Any, steps: int, pipelined: bool) -> list[float]:

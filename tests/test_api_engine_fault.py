@@ -17,16 +17,16 @@ def test_engine_fault_is_500_with_the_request_id(gemma4_micro):
         state = ServerState([ServedModel("m", engine)])
         app = create_app(state)
         await engine.start()
-        real_prefill = engine.core.runner.prefill
+        real_prefill = engine.core.runner._prefill
         calls = {"n": 0}
 
-        def failing_once(request_id, num_tokens):  # fault injection inside the real worker step
+        def failing_once(chunk, out):  # fault injection inside the real worker step
             calls["n"] += 1
             if calls["n"] == 1:
                 raise RuntimeError("simulated kernel failure")
-            return real_prefill(request_id, num_tokens)
+            return real_prefill(chunk, out)
 
-        engine.core.runner.prefill = failing_once
+        engine.core.runner._prefill = failing_once
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:

@@ -156,7 +156,7 @@ def test_a_dead_worker_fails_pending_and_new_requests_at_once(gemma4_micro):
             while engine.metrics.generated_tokens < 3:
                 await asyncio.sleep(0.001)
 
-            def die():
+            def die(*args):
                 raise WorkerKiller("simulated crash in the MLX thread")
 
             engine.core.runner.decode = die  # fault injection into the real worker loop

@@ -1,54 +1,100 @@
-"""The scheduler with plain fake requests: admission, exact token counts per step, the results
-of a step, finishing. No MLX."""
+"""The scheduler with plain fake requests: admission, the encoder and token budgets, prompts split by
+tokens and by layers, exact counts per step, the results of a step, finishing. No MLX."""
 
 from __future__ import annotations
 
-from vlmserve.engine.params import PromptInputs, SamplingParams
+import numpy as np
+
+from vlmserve.engine.params import ImageItem, PromptInputs, SamplingParams
+from vlmserve.engine.plan import PrefillChunk, RunnerOutput, Sample, SchedulerOutput
 from vlmserve.engine.request import Request, RequestStatus
-from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
+from vlmserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 
 
 def _req(rid: str, prompt_len: int = 10, max_tokens: int = 5, eos: frozenset[int] = frozenset({2}),
-         chunkable: bool = True) -> Request:
-    req = Request(rid, PromptInputs(list(range(prompt_len))), SamplingParams(max_tokens=max_tokens), eos)
+         chunkable: bool = True, images: tuple[str, ...] = ()) -> Request:
+    """A request; ``images`` are image keys (a prompt with pixel values, one item per key)."""
+    arrays = {"pixel_values": np.zeros((len(images), 3))} if images else {}
+    items = tuple(ImageItem(k, {}) for k in images)
+    prompt = PromptInputs(list(range(prompt_len)), arrays, len(images), items)
+    req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), eos)
     req.chunkable = chunkable
     return req
 
 
-def _scheduler(*reqs: Request, batch: int = 8, budget: int = 512) -> Scheduler:
-    s = Scheduler(SchedulerConfig(max_batch_size=batch, prefill_chunk=budget))
+def _config(batch: int = 8, budget: int = 512, **kw: object) -> SchedulerConfig:
+    return SchedulerConfig(max_batch_size=batch, prefill_chunk=budget, **kw)  # type: ignore[arg-type]
+
+
+def _scheduler(*reqs: Request, batch: int = 8, budget: int = 512, caches: object = None, **kw: object) -> Scheduler:
+    s = Scheduler(_config(batch, budget, **kw), caches=caches)  # type: ignore[arg-type]
     for r in reqs:
         s.add(r)
     return s
 
 
-def _step(s: Scheduler, sampled: dict[str, int] | None = None, failed: dict[str, str] | None = None):
-    """One engine step as the core runs it: admit, plan, apply what the runner would return."""
-    s.admit()
+class FakeCaches:
+    """The caches' bookkeeping as the scheduler asks it: a text prefix store and a set of image keys."""
+
+    prefix_enabled = True
+
+    def __init__(self, prefixes: dict[tuple[int, ...], str] | None = None, images: set[str] | None = None) -> None:
+        self.prefixes = prefixes or {}
+        self.images = images or set()
+
+    def lookup_prefix(self, tokens: list[int]) -> tuple[object, int]:
+        for n in range(len(tokens) - 1, 0, -1):  # at least one token is left to compute
+            if tuple(tokens[:n]) in self.prefixes:
+                return self.prefixes[tuple(tokens[:n])], n
+        return None, 0
+
+    def uncached_images(self, prompt: PromptInputs) -> int:
+        return sum(item.key not in self.images for item in prompt.images) if prompt.images else prompt.num_images
+
+
+def _step(s: Scheduler, sampled: dict[str, int] | None = None, errors: dict[str, str] | None = None,
+          lengths: dict[str, int] | None = None) -> tuple[SchedulerOutput, list[RequestUpdate]]:
+    """One engine step: plan, then apply what a runner would return (a token for each row that
+    decodes and each prompt that ends, unless ``sampled`` says otherwise)."""
     plan = s.schedule()
-    done = {r.request_id for r in plan.prefill
-            if r.num_computed_tokens + plan.num_scheduled_tokens[r.request_id] >= r.num_prompt_tokens}
-    tokens = {rid: 7 for rid in done | {r.request_id for r in plan.decode}} if sampled is None else sampled
-    return plan, s.update_from_output(plan, tokens, failed or {})
+    ends = {c.request_id for c in plan.prefill if c.final and c.end >= _prompt_len(s, c.request_id)}
+    tokens = {rid: 7 for rid in ends | set(plan.decode)} if sampled is None else sampled
+    out = RunnerOutput({k: Sample(v) for k, v in tokens.items()}, lengths or {}, errors or {})
+    return plan, s.update_from_output(plan, out)
+
+
+def _prompt_len(s: Scheduler, request_id: str) -> int:
+    req = s.get(request_id)
+    return req.num_prompt_tokens if req is not None else 0
+
+
+def _admitted(s: Scheduler) -> list[str]:
+    return [n.request_id for n in s.schedule().new]
+
+
+def _chunks(plan: SchedulerOutput) -> dict[str, tuple[int, int, int, int | None]]:
+    return {c.request_id: (c.start, c.end, c.first_layer, c.last_layer) for c in plan.prefill}
 
 
 def test_admits_up_to_batch_size_each_step():
     reqs = [_req(f"r{i}") for i in range(3)]
     s = _scheduler(*reqs, batch=2)
-    assert s.admit() == reqs[:2]
-    assert [r.request_id for r in s.schedule().prefill] == ["r0", "r1"]
+    plan = s.schedule()
+    assert [n.request_id for n in plan.new] == ["r0", "r1"] == plan.encode  # text prompts: embed and prefill
+    assert [c.request_id for c in plan.prefill] == ["r0", "r1"]
     assert s.num_running == 2 and s.num_waiting == 1 and reqs[2].status is RequestStatus.WAITING
 
 
-def test_a_freed_slot_is_filled_at_the_next_step():
+def test_a_freed_slot_is_filled_at_the_next_step_and_the_runner_told_to_forget():
     a, b = _req("a"), _req("b")
     s = _scheduler(a, b, batch=1)
     _step(s)
     plan, _ = _step(s)
-    assert plan.decode == [a] and plan.num_scheduled_tokens == {"a": 1}
+    assert plan.decode == ["a"] and plan.num_scheduled_tokens == {"a": 1}
     s.finish(a, RequestStatus.FINISHED_LENGTH)
     plan, _ = _step(s)
-    assert plan.prefill == [b] and plan.decode == [] and b.status is RequestStatus.RUNNING
+    assert plan.finished == ["a"] and [c.request_id for c in plan.prefill] == ["b"] and plan.decode == []
+    assert b.status is RequestStatus.RUNNING and s.schedule().finished == []  # said once
 
 
 def test_decode_and_prefill_share_a_step():
@@ -57,7 +103,7 @@ def test_decode_and_prefill_share_a_step():
     _step(s)
     s.add(b)
     plan, _ = _step(s)
-    assert plan.decode == [a] and plan.prefill == [b]
+    assert plan.decode == ["a"] and [c.request_id for c in plan.prefill] == ["b"]
     assert plan.num_scheduled_tokens == {"a": 1, "b": 10}
 
 
@@ -70,7 +116,7 @@ def test_two_long_prompts_share_the_budget_exactly():
     assert (a.num_computed_tokens, b.num_computed_tokens) == (300, 212)
     assert [u.request.request_id for u in updates] == ["a"]  # only a finished its prompt
     plan, _ = _step(s)
-    assert plan.decode == [a] and plan.num_scheduled_tokens == {"a": 1, "b": 88}
+    assert plan.decode == ["a"] and plan.num_scheduled_tokens == {"a": 1, "b": 88}
 
 
 def test_budget_limits_requests_per_step():
@@ -79,49 +125,157 @@ def test_budget_limits_requests_per_step():
     assert plan.num_scheduled_tokens == {"r0": 10, "r1": 10, "r2": 5}
 
 
-def test_an_unsplittable_prompt_goes_whole_and_alone_when_over_budget():
+def test_an_unsplittable_prompt_over_budget_goes_by_layers():
+    """700 positions through 6 layers, 512 tokens a step: 4 layers (467 tokens' worth), then the last 2."""
     big, small = _req("big", prompt_len=700, chunkable=False), _req("small", prompt_len=10)
-    plan, _ = _step(_scheduler(big, small, budget=512))
-    assert plan.num_scheduled_tokens == {"big": 700}  # nothing else: the step is already over budget
+    s = _scheduler(big, small, budget=512, num_layers=6)
+    plan, updates = _step(s)
+    assert _chunks(plan) == {"big": (0, 700, 0, 4), "small": (0, 10, 0, None)}  # small fits in the 45 left
+    assert (big.num_computed_layers, big.num_computed_tokens, big.prefill_done) == (4, 0, False)
+    assert [u.request.request_id for u in updates] == ["small"]  # no token for a piece
+    plan, updates = _step(s)
+    assert _chunks(plan) == {"big": (0, 700, 4, None)} and plan.decode == ["small"]
+    assert big.prefill_done and big.num_computed_layers == 0 and {u.request.request_id for u in updates} == {
+        "big", "small"}
 
 
-def test_an_unsplittable_prompt_waits_for_a_step_with_room():
-    first, image = _req("first", prompt_len=400), _req("image", prompt_len=300, chunkable=False)
-    s = _scheduler(first, image, budget=512)
+def test_a_layer_piece_runs_at_least_one_layer_and_only_starts_where_allowed():
+    big = _req("big", prompt_len=5000, chunkable=False)
+    s = _scheduler(big, budget=16, num_layers=6, layer_starts=(0, 1, 2))
+    pieces = []
+    while not big.prefill_done:
+        plan, _ = _step(s)
+        pieces += [(c.first_layer, c.last_layer) for c in plan.prefill]
+    assert pieces == [(0, 1), (1, 2), (2, None)]  # shared-KV readers run with what they read
+
+
+def test_an_unsplittable_prompt_after_a_reused_prefix_goes_whole():
+    """Layer pieces start at position 0; after a cached prefix the rest runs whole, alone if need be."""
+    req = _req("r", prompt_len=100, chunkable=False)
+    s = _scheduler(req, budget=16, num_layers=4, caches=FakeCaches({tuple(range(40)): "kv"}))
     plan, _ = _step(s)
-    assert plan.num_scheduled_tokens == {"first": 400}  # 300 do not fit in the 112 left
+    assert _chunks(plan) == {"r": (40, 100, 0, None)}
+
+
+def test_one_prompt_goes_by_layers_at_a_time():
+    a, b = _req("a", prompt_len=600, chunkable=False), _req("b", prompt_len=600, chunkable=False)
+    s = _scheduler(a, b, budget=300, num_layers=4)
     plan, _ = _step(s)
-    assert plan.num_scheduled_tokens == {"first": 1, "image": 300}
+    assert _chunks(plan) == {"a": (0, 600, 0, 2)}
+    plan, _ = _step(s)
+    assert _chunks(plan) == {"a": (0, 600, 2, None)}  # b would fit the 0 left by no layer
+    plan, _ = _step(s)
+    assert _chunks(plan) == {"b": (0, 600, 0, 2)}
 
 
-def test_nobody_overtakes_a_waiting_prompt():
+def test_an_unsplittable_prompt_that_does_not_fit_waits_and_nobody_overtakes_it():
     image, text = _req("image", prompt_len=300, chunkable=False), _req("text", prompt_len=5)
-    s = _scheduler(_req("head", prompt_len=500), image, text, budget=512)
+    s = _scheduler(_req("head", prompt_len=500), image, text, budget=512, num_layers=6)
     plan, _ = _step(s)
-    assert plan.num_scheduled_tokens == {"head": 500}
+    assert plan.num_scheduled_tokens == {"head": 500}  # 12 left: not one of image's 50-token layers
+
+
+def _decoding(s: Scheduler) -> Request:
+    """A text stream that is decoding: the scheduler's steps are bounded from now on."""
+    stream = _req("stream", prompt_len=4, max_tokens=1000)
+    s.add(stream)
+    _step(s)
+    assert stream.prefill_done
+    return stream
+
+
+def test_while_nothing_decodes_every_image_is_encoded_and_the_full_budget_runs():
+    reqs = [_req(f"i{i}", images=(f"k{i}",)) for i in range(3)]
+    s = _scheduler(*reqs, budget=512, stream_prefill_chunk=16, encoder_budget=1)
+    plan, _ = _step(s)
+    assert plan.encode == ["i0", "i1", "i2"]
+    plan, _ = _step(s)
+    assert plan.num_prefill_tokens == 30 and plan.prefill_groups == [["i0", "i1", "i2"]]
+
+
+def test_while_a_stream_decodes_steps_take_the_stream_budgets():
+    s = _scheduler(budget=512, stream_prefill_chunk=16, encoder_budget=1)
+    _decoding(s)
+    reqs = [_req(f"i{i}", prompt_len=12, images=(f"k{i}",)) for i in range(3)]
+    text = _req("text", prompt_len=40)
+    for r in (*reqs, text):
+        s.add(r)
+    plan, _ = _step(s, lengths={"i0": 12})
+    assert plan.decode == ["stream"] and plan.encode == ["i0", "text"]  # one image; text costs none
+    assert _chunks(plan) == {"text": (0, 16, 0, None)}
+    assert reqs[0].encoded and reqs[0].num_prompt_tokens == 12  # the embedding's length is the prompt's
+    plan, _ = _step(s)
+    assert plan.encode == ["i1"] and _chunks(plan) == {"i0": (0, 12, 0, None), "text": (16, 20, 0, None)}
+    plan, _ = _step(s)
+    assert plan.encode == ["i2"] and s.stream_tokens == 16
+
+
+def test_an_image_the_vision_cache_holds_costs_no_encoder_budget():
+    s = _scheduler(encoder_budget=1, caches=FakeCaches(images={"seen"}))
+    _decoding(s)
+    for r in (_req("a", images=("x",)), _req("b", images=("seen", "seen")), _req("c", images=("y",))):
+        s.add(r)
+    assert s.schedule().encode == ["a", "b"]
+
+
+def test_the_first_image_prompt_goes_whatever_its_cost():
+    s = _scheduler(encoder_budget=2)
+    _decoding(s)
+    s.add(_req("many", images=("a", "b", "c")))
+    s.add(_req("one", images=("d",)))
+    assert s.schedule().encode == ["many"]
+
+
+def test_a_text_prefix_is_looked_up_at_admission_and_stored_at_the_end_of_its_prompt():
+    caches = FakeCaches({tuple(range(6)): "kv"})
+    text, image = _req("text", prompt_len=10), _req("image", prompt_len=10, images=("k",))
+    s = _scheduler(text, image, budget=2, caches=caches)
+    plan = s.schedule()
+    assert [(n.request_id, n.prefix, n.num_cached) for n in plan.new] == [("text", "kv", 6), ("image", None, 0)]
+    assert text.num_cached_tokens == text.num_computed_tokens == 6
+    assert plan.prefill == [PrefillChunk("text", 6, 8)]
+    s.update_from_output(plan, RunnerOutput())
+    plan = s.schedule()
+    assert plan.prefill == [PrefillChunk("text", 8, 10, store_prefix=True)]
+
+
+def test_whole_prompts_starting_together_share_a_forward():
+    a, b, c, d = _req("a", 4), _req("b", 6), _req("c", 600), _req("d", 3)
+    d.batchable = False
+    plan = _scheduler(a, b, c, d, budget=512).schedule()
+    assert plan.prefill_groups == [["a", "b"]]  # c is cut by the budget, d may not share
 
 
 def test_results_of_a_step_update_each_request():
     a, b, c = _req("a", max_tokens=2), _req("b"), _req("c")
     s = _scheduler(a, b, c)
-    _, updates = _step(s, sampled={"a": 5, "b": 2}, failed={"c": "RuntimeError: boom"})
+    _, updates = _step(s, sampled={"a": 5, "b": 2}, errors={"c": "RuntimeError: boom"})
     by_id = {u.request.request_id: u for u in updates}
     assert (by_id["a"].token_id, by_id["a"].finish) == (5, None)
     assert (by_id["b"].token_id, by_id["b"].finish) == (None, RequestStatus.FINISHED_STOPPED)  # EOS is not output
     assert (by_id["c"].finish, by_id["c"].error) == (RequestStatus.FINISHED_ERROR, "RuntimeError: boom")
     assert s.running == [a] and a.output_token_ids == [5]
-    _, updates = _step(s, sampled={"a": 6})
+    plan, updates = _step(s, sampled={"a": 6})
+    assert sorted(plan.finished) == ["b", "c"]
     assert updates[0].finish is RequestStatus.FINISHED_LENGTH and not s.has_unfinished()
+
+
+def test_a_failed_encode_ends_its_request():
+    img = _req("img", images=("k",))
+    s = _scheduler(img)
+    _, updates = _step(s, errors={"img": "ValueError: bad pixels"})
+    assert [(u.finish, u.error) for u in updates] == [(RequestStatus.FINISHED_ERROR, "ValueError: bad pixels")]
+    assert not img.encoded and not s.has_unfinished()
 
 
 def test_finish_removes_waiting_and_running_requests():
     a, b = _req("a"), _req("b")
     s = _scheduler(a, b, batch=1)
-    s.admit()
+    s.schedule()
     s.finish(b, RequestStatus.FINISHED_ABORTED)
     s.finish(a, RequestStatus.FINISHED_ABORTED)
     assert not s.has_unfinished() and a.status.finished and b.status.finished
-    assert s.get("a") is None
+    assert s.get("a") is None and s.schedule().finished == ["a"]  # b never reached the runner
 
 
 def test_append_token_stops_on_eos_stop_ids_and_length():
@@ -147,26 +301,26 @@ def test_the_kv_budget_bounds_rows_times_the_longest_need_and_keeps_order():
     # 10 bytes per position; a batch costs rows x the longest need (prompt + max_tokens).
     budget = KVBudget(300, KVFootprint(per_position=10))
     small, big, after = _req("small", 5, 5), _req("big", 10, 10), _req("after", 2, 3)
-    s = Scheduler(SchedulerConfig(max_batch_size=8), budget)
+    s = Scheduler(_config(), budget)
     for r in (small, big, after):
         s.add(r)
-    assert s.admit() == [small]  # small + big would be 2 x 20 positions x 10 B = 400 > 300
+    assert _admitted(s) == ["small"]  # small + big would be 2 x 20 positions x 10 B = 400 > 300
     assert s.kv_reserved_bytes == 100
-    assert s.admit() == []  # "after" would fit, but nobody overtakes the head of the queue
+    assert _admitted(s) == []  # "after" would fit, but nobody overtakes the head of the queue
     s.finish(small, RequestStatus.FINISHED_LENGTH)
-    assert s.admit() == [big]  # big + after: 2 rows x 20 positions (the longest) x 10 B = 400 > 300
+    assert _admitted(s) == ["big"]  # big + after: 2 rows x 20 positions (the longest) x 10 B = 400 > 300
     assert s.kv_reserved_bytes == 200
     s.finish(big, RequestStatus.FINISHED_STOPPED)
-    assert s.admit() == [after] and s.kv_reserved_bytes == 50
+    assert _admitted(s) == ["after"] and s.kv_reserved_bytes == 50
 
 
 def test_one_request_is_always_admitted_whatever_the_budget():
     """The API refuses a request that could never fit; the scheduler never deadlocks on one."""
     from vlmserve.engine.memory import KVBudget, KVFootprint
 
-    s = Scheduler(SchedulerConfig(max_batch_size=8), KVBudget(1, KVFootprint(per_position=10)))
+    s = Scheduler(_config(), KVBudget(1, KVFootprint(per_position=10)))
     s.add(_req("r", 10, 10))
-    assert [r.request_id for r in s.admit()] == ["r"]
+    assert _admitted(s) == ["r"]
 
 
 def test_a_footprint_counts_windows_and_fixed_state():

@@ -19,6 +19,7 @@ from conftest import scene
 
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.plan import NewRequest, SchedulerOutput
 from vlmserve.engine.vision_cache import VisionCache
 from vlmserve.frontend.async_engine import AsyncEngine
 from vlmserve.preprocess.prompt import PromptError
@@ -174,15 +175,14 @@ def test_image_prompts_admitted_together_share_one_vision_forward(family: Family
 
     def embeddings(grouped: bool, vision_cache: Any = None) -> tuple[list[list[str]], list[Any]]:
         runner = family.engine.core.runner
-        kept, runner.vision_cache = runner.vision_cache, vision_cache  # the tower itself, batched or not
-        for request_id, prompt in zip(ids, prompts):
-            runner.begin(request_id, prompt, GREEDY)
+        kept, runner.caches.vision = runner.caches.vision, vision_cache  # the tower itself, batched or not
+        runner.execute(SchedulerOutput(new=[NewRequest(r, p, GREEDY) for r, p in zip(ids, prompts)]))
         groups = runner.embedding_groups(ids) if grouped else [[r] for r in ids]
-        for group in groups:
-            runner.embed(group)
-        out = [runner.prefilling[r].embedded for r in ids]
-        runner.remove(ids)
-        runner.vision_cache = kept
+        for group in groups:  # the runner shares a vision forward among the prompts one plan encodes
+            assert not runner.execute(SchedulerOutput(encode=group)).errors
+        out = [runner.prompts[r].embedded for r in ids]
+        runner.execute(SchedulerOutput(finished=ids))
+        runner.caches.vision = kept
         return groups, out
 
     def same(a: Any, b: Any) -> bool:  # on the worker: its arrays live on its stream

@@ -11,7 +11,11 @@ from vlmserve.config import DEFAULT_DTYPE
 class EngineConfig:
     max_batch_size: int = 8
     max_queue: int = 64  # requests waiting beyond the batch before submissions fail fast
-    prefill_chunk: int = 512
+    prefill_chunk: int = 512  # prompt tokens per step (a prompt split by layers: its share of them)
+    # While requests decode, a step's prompt work may take this many decode steps' time (engine/costs.py):
+    stream_step_share: float = 2.0
+    stream_prefill_chunk: int | None = None  # or a fixed prompt-token budget per step while requests decode
+    encoder_budget: int = 1  # images through the vision tower per step while requests decode (the first always goes)
     max_model_len: int | None = None  # caps the model's own context (prompt + output)
     prefix_cache: bool = True
     prefix_cache_entries: int = 32

@@ -4,33 +4,30 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from vlmserve.engine.core import new_request, scheduler_config
+from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.plan import SchedulerOutput
 from vlmserve.engine.runner import ModelRunner
+from vlmserve.engine.scheduler import Scheduler
 
-PREFILL_CHUNK = 512
 
-
-def generate_tokens(runner: ModelRunner, prompt: PromptInputs, params: SamplingParams) -> Iterator[int]:
-    """Yield token ids until EOS, a stop token or ``max_tokens``; needs the runner to itself."""
-    assert not runner.batch and not runner.prefilling, "generate_tokens needs an idle runner"
-    request_id = "generate"
-    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(runner.loaded.eos_token_ids))
-    runner.begin(request_id, prompt, params)
-    runner.embed([request_id])
-    chunk = PREFILL_CHUNK if runner.adapter.can_chunk(prompt) else runner.prompt_length(request_id)
+def generate_tokens(runner: ModelRunner, prompt: PromptInputs, params: SamplingParams,
+                    config: EngineConfig = EngineConfig()) -> Iterator[int]:
+    """Yield token ids until EOS, a stop token or ``max_tokens``: the engine's own plan and step,
+    for one request, on the calling thread; needs the runner to itself."""
+    assert not runner.batch and not runner.prompts, "generate_tokens needs an idle runner"
+    scheduler = Scheduler(scheduler_config(runner.adapter, config))
+    req = new_request(runner.loaded, "generate", prompt, params)
+    scheduler.add(req)
     try:
-        while (first := runner.prefill(request_id, chunk)) is None:
-            pass
-        runner.join([request_id])
-        tokens, produced = [first.token_id], 0
-        while True:
-            for token in tokens:  # decode is pipelined: each step reads the one before it
-                if token in stop_ids:
-                    return
-                yield token
-                produced += 1
-                if produced == params.max_tokens:
-                    return
-            tokens = [s.token_id for s in runner.decode().values()]
+        while not req.status.finished:
+            plan = scheduler.schedule()
+            output = runner.execute(plan)
+            for update in scheduler.update_from_output(plan, output):
+                if update.error is not None:
+                    raise RuntimeError(update.error)
+                if update.token_id is not None:
+                    yield update.token_id
     finally:
-        runner.remove([request_id])
+        runner.execute(SchedulerOutput(finished=[req.request_id]))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.plan import NewRequest, PrefillChunk, SchedulerOutput
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,15 +51,20 @@ class KVFootprint:
 
 
 def measure_footprint(runner: Any, prompt: PromptInputs) -> KVFootprint:
-    """Prefill ``prompt`` alone through the runner (a ModelRunner) and measure its cache."""
+    """Prefill ``prompt`` alone through an idle runner (a ModelRunner) and measure its cache: one
+    plan to enter and embed it, one to prefill it whole, one to let it go."""
     probe = "kv-probe"
-    runner.begin(probe, prompt, SamplingParams(max_tokens=1))
+    assert not runner.batch, "measure the footprint on an idle runner"
     try:
-        runner.embed([probe])
-        runner.prefill(probe, runner.prompt_length(probe))
-        return KVFootprint.measure(runner.prefilling[probe].cache)
+        out = runner.execute(SchedulerOutput(new=[NewRequest(probe, prompt, SamplingParams(max_tokens=1))],
+                                             encode=[probe]))
+        if not out.errors:
+            out = runner.execute(SchedulerOutput(prefill=[PrefillChunk(probe, 0, out.prompt_lengths[probe])]))
+        if out.errors:
+            raise RuntimeError(f"could not measure the KV cache: {out.errors[probe]}")
+        return KVFootprint.measure(runner.batch.cache)
     finally:
-        runner.remove([probe])
+        runner.execute(SchedulerOutput(finished=[probe]))
 
 
 def _arrays(state: Any) -> Iterable[Any]:

@@ -106,7 +106,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    chunkable: bool = True  # may its prompt be prefilled over several steps (the model adapter says)
+    # A prompt that cannot be split by tokens is split by layers: the language model's layers its
+    # prompt has been through (0 when none, or when it goes by tokens).
+    num_computed_layers: int = 0
+    encoded: bool = False  # its embedding (vision tower and merge) is made and waits in the runner
+    chunkable: bool = True  # may its prompt be prefilled over several steps by tokens (the model adapter says)
+    batchable: bool = True  # may its whole prompt share a left-padded forward with others (the adapter says)
     # Positions the prompt fills: its token count, unless the model's embedding says otherwise
     # (mlx-vlm's LLaVA-NeXT merges more image features than the processor wrote image tokens).
     num_prompt_tokens: int = -1
@@ -119,6 +124,10 @@ class Request:
     @property
     def prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def num_images(self) -> int:
+        return self.prompt.num_images if self.prompt.has_images else 0
 
     @property
     def last_token_id(self) -> int:

@@ -1,15 +1,20 @@
-"""[worker] ModelRunner: executes what the scheduler planned, through the family's adapter.
+"""[worker] ModelRunner: executes one step's plan through the family's adapter, and nothing else.
 
-Each request prefills alone (batch 1) into its own KV cache, the number of prompt tokens the
-scheduler gave it per step, then joins the decode batch's left-padded caches (mlx-lm's
-BatchKVCache / BatchRotatingKVCache / ArraysCache). Prefilling alone is what lets prompts of
-any length, with or without images, join one decode batch: mlx-vlm's own batch prefill
-concatenates per-prompt 4-D masks and fails on gemma3 when lengths differ.
+``execute(plan) -> RunnerOutput`` is the one call the core makes. A prompt enters the prefill
+batch (a row per prompt: its own KV cache, embedding, carried hidden state), is embedded when the
+plan says (vision tower or the vision cache, then the merge), is prefilled chunk by chunk (by tokens,
+or by layers where its image span attends both ways), samples its first token and joins the
+decode batch's left-padded caches (mlx-lm's PromptProcessingBatch -> GenerationBatch). Prefilling
+each prompt on its own is what lets prompts of any length, with or without images, join one decode
+batch: mlx-vlm's own batch prefill concatenates per-prompt 4-D masks and fails on gemma3 when
+lengths differ. Whole prompts the plan groups share one left-padded forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,204 +23,209 @@ import numpy as np
 
 from vlmserve.engine import guided
 from vlmserve.engine.batch import DecodeBatch
+from vlmserve.engine.caches import EngineCaches
 from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.models import Embedded
 from vlmserve.engine.params import HostArray, ImageItem, PromptInputs, SamplingParams
-from vlmserve.engine.sampler import RowState, Sample, sample
-from vlmserve.engine.vision_cache import VisionCache
+from vlmserve.engine.plan import NewRequest, PrefillChunk, RunnerOutput, Sample, SchedulerOutput
+from vlmserve.engine.sampler import RowState, sample
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class PrefillGroup:
-    """Prompts prefilled together in one left-padded forward, until they join the decode batch."""
-
-    request_ids: list[str]
-    cache: list[Any]
-    row_state: dict[str, mx.array]
-
-
-@dataclass(slots=True)
-class PrefillState:
-    """One request's prompt on its way into its own KV cache (or a group's), until it joins the batch."""
+class PromptRow:
+    """One request's prompt on its way into its KV cache, until it joins the decode batch."""
 
     prompt: PromptInputs
     params: SamplingParams
     input_ids: mx.array
     cache: list[Any]
-    embedded: Embedded | None  # None before ``embed`` and once the prompt is in the cache
-    num_computed: int = 0
-    row_state: dict[str, mx.array] | None = None  # set when done, with the sampling row and first token
-    sampling: RowState | None = None
-    first_token: int | None = None
-    length: int = 0  # positions: the embedding's length
-    group: PrefillGroup | None = None  # set when prefilled with others: its KV is a row of the group's
-
-    @property
-    def done(self) -> bool:
-        return self.num_computed >= self.length
+    embedded: Embedded | None = None  # after ``encode``; freed once the prompt is in the cache
+    hidden: mx.array | None = None  # split by layers: the hidden state after the layers done so far
 
 
 class ModelRunner:
-    """Prefill chunks per request and one batched decode step; owns every MLX array of a request."""
+    """Owns every MLX array of a request: its prompt row, then its decode-batch row."""
 
-    def __init__(self, loaded: LoadedModel, vision_cache: VisionCache | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, caches: EngineCaches | None = None) -> None:
         self.loaded = loaded
         self.adapter = loaded.adapter
-        self.prefilling: dict[str, PrefillState] = {}
+        self.caches = caches if caches is not None else EngineCaches(None, None)
+        if not self.adapter.vision_cache:  # only where one image's features can be computed alone
+            self.caches.vision = None
+        self.prompts: dict[str, PromptRow] = {}  # the prefill batch, by request
         self.batch = DecodeBatch()
-        self.guide_errors: dict[str, str] = {}  # requests whose grammar failed in decode, for the core to fail
-        # Only where the family's features can be computed per image (the adapter says so).
-        self.vision_cache = vision_cache if self.adapter.vision_cache else None
 
-    def begin(self, request_id: str, prompt: PromptInputs, params: SamplingParams,
-              cache: list[Any] | None = None, num_cached: int = 0) -> None:
-        """Take a phase-1 prompt in; ``cache`` may hold a reused prefix. ``embed`` comes next."""
-        assert not (prompt.has_images and num_cached), "image prompts never reuse KV"
-        input_ids = mx.array(prompt.input_ids, dtype=mx.int32)[None]
-        self.prefilling[request_id] = PrefillState(
-            prompt, params, input_ids, cache if cache is not None else self.adapter.make_cache(), None, num_cached)
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Run one step's plan: forget, enter, encode, decode, prefill. A part that raises fails just
+        the requests it touched; they are in ``errors`` and the rest of the step goes on."""
+        out = RunnerOutput()
+        self.remove(plan.finished)
+        for new in plan.new:
+            self._guarded(out, [new.request_id], self._enter, new)
+        for group in self.embedding_groups([r for r in plan.encode if r not in out.errors]):
+            self._guarded(out, group, self._encode, group, out)
+        if plan.decode:
+            self._guarded(out, plan.decode, lambda: out.samples.update(self.decode(out.errors)))
+        grouped = {r for g in plan.prefill_groups for r in g}
+        for group in plan.prefill_groups:
+            self._guarded(out, group, self._prefill_together, group, [c for c in plan.prefill if c.request_id in group],
+                          out)
+        for chunk in plan.prefill:
+            if chunk.request_id not in grouped and chunk.request_id not in out.errors:
+                self._guarded(out, [chunk.request_id], self._prefill, chunk, out)
+        return out
+
+    def _guarded(self, out: RunnerOutput, request_ids: list[str], fn: Callable[..., object], *args: object) -> None:
+        """Run one part of the step; if it raises, log it and fail the requests it touched."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - an engine fault ends its requests, not the engine
+            log.exception("engine step failed for %s", request_ids)
+            out.faults += 1
+            out.errors.update(dict.fromkeys(request_ids, f"{type(exc).__name__}: {exc}"))
+
+    # -- enter and encode -----------------------------------------------------------
+
+    def _enter(self, new: NewRequest) -> None:
+        assert not (new.prompt.has_images and new.num_cached), "image prompts never reuse KV"
+        input_ids = mx.array(new.prompt.input_ids, dtype=mx.int32)[None]
+        cache = new.prefix if new.prefix is not None else self.adapter.make_cache()
+        self.prompts[new.request_id] = PromptRow(new.prompt, new.params, input_ids, cache)
 
     def embedding_groups(self, request_ids: list[str]) -> list[list[str]]:
-        """Begun prompts in the groups ``embed`` takes: image prompts whose images have one shape
+        """Prompts in the groups ``_encode`` takes: image prompts whose images have one shape
         together where the adapter allows it (one vision forward), every other prompt alone."""
         groups: dict[object, list[str]] = {}
         for request_id in request_ids:
-            prompt = self.prefilling[request_id].prompt
+            prompt = self.prompts[request_id].prompt
             pixels = prompt.arrays.get("pixel_values")
             batched = isinstance(pixels, np.ndarray) and self.adapter.batch_embed and not self._caches(prompt)
-            key = ("images", pixels.shape[1:]) if batched else request_id
+            key = ("images", pixels.shape[1:]) if batched and pixels is not None else request_id
             groups.setdefault(key, []).append(request_id)
         return list(groups.values())
 
-    def embed(self, request_ids: list[str]) -> None:
-        """The vision tower and the merge for one group; afterwards ``prompt_length`` is known."""
-        states = [self.prefilling[r] for r in request_ids]
-        arrays = [on_device(s.prompt.arrays) for s in states]
-        if len(states) == 1:
-            prompt = states[0].prompt
+    def _encode(self, request_ids: list[str], out: RunnerOutput) -> None:
+        """The vision tower and the merge for one group; the embeddings wait in their rows."""
+        start = time.perf_counter()
+        rows = [self.prompts[r] for r in request_ids]
+        arrays = [on_device(r.prompt.arrays) for r in rows]
+        if len(rows) == 1:
+            prompt = rows[0].prompt
             features = self._image_features(prompt.images) if self._caches(prompt) else None
-            embedded = [self.adapter.embed(states[0].input_ids, arrays[0], features)]
+            embedded = [self.adapter.embed(rows[0].input_ids, arrays[0], features)]
         else:
-            embedded = self.adapter.embed_rows([s.input_ids for s in states], arrays)
+            embedded = self.adapter.embed_rows([r.input_ids for r in rows], arrays)
         mx.eval([e.inputs_embeds for e in embedded])
-        for state, e in zip(states, embedded):
-            state.embedded, state.length = e, e.inputs_embeds.shape[1]
+        for request_id, row, e in zip(request_ids, rows, embedded):
+            row.embedded = e
+            out.prompt_lengths[request_id] = e.inputs_embeds.shape[1]
+        if rows[0].prompt.has_images:
+            out.vision_seconds += time.perf_counter() - start
+            out.vision_batches += len(rows) > 1
 
     def _caches(self, prompt: PromptInputs) -> bool:
-        return self.vision_cache is not None and bool(prompt.images)
+        return self.caches.vision is not None and bool(prompt.images)
 
     def _image_features(self, images: tuple[ImageItem, ...]) -> mx.array:
         """Each image's features from the vision cache, or from the tower (alone) and then cached."""
-        assert self.vision_cache is not None
+        vision = self.caches.vision
+        assert vision is not None
         features = []
         for item in images:
-            cached = self.vision_cache.get(item.key)
+            cached = vision.get(item.key)
             if cached is None:
                 cached = self.adapter.encode_image(on_device(item.arrays))
                 mx.eval(cached)
-                self.vision_cache.put(item.key, cached)
+                vision.put(item.key, cached)
             features.append(cached)
         return self.adapter.join_features(features)
 
-    def prompt_length(self, request_id: str) -> int:
-        """The positions a begun prompt fills: its embedding's length, which the token count may not be."""
-        return self.prefilling[request_id].length
+    # -- prefill --------------------------------------------------------------------
 
-    def prefill(self, request_id: str, num_tokens: int) -> Sample | None:
-        """Prefill the next ``num_tokens`` prompt tokens; once the prompt is done, sample its first token."""
-        state = self.prefilling[request_id]
-        assert state.embedded is not None, "prefill after the prompt is done"
-        start = state.num_computed
-        end = min(state.length, start + num_tokens)
-        if end == state.length and end - start > 1 and self.adapter.can_chunk(state.prompt):
+    def _prefill(self, chunk: PrefillChunk, out: RunnerOutput) -> None:
+        """One chunk of one prompt; once the prompt is in its cache, its first token, and it joins."""
+        row = self.prompts[chunk.request_id]
+        embedded = row.embedded
+        assert embedded is not None, "prefill before encode"
+        if chunk.first_layer or not chunk.final:
+            last = chunk.last_layer if chunk.last_layer is not None else self.adapter.num_layers
+            logits, row.hidden = self.adapter.prefill_layers(row.input_ids, embedded, row.cache, chunk.first_layer,
+                                                             last, row.hidden)
+            if not chunk.final:
+                mx.eval(row.hidden, [c.state for c in row.cache[chunk.first_layer:last]])
+                return
+        else:
+            logits = self._prefill_tokens(row, embedded, chunk)
+        if chunk.end < embedded.inputs_embeds.shape[1]:
+            mx.eval([c.state for c in row.cache])
+            return
+        mx.eval(logits, [c.state for c in row.cache], embedded.row_state)
+        (first,), sampling = self._sample_first(logits, [row])
+        out.samples[chunk.request_id] = first
+        if chunk.store_prefix:
+            self.caches.store_prefix(row.prompt.input_ids, row.cache)
+        self._join([chunk.request_id], [type(c).merge([c]) for c in row.cache], embedded.row_state, sampling, [first])
+
+    def _prefill_tokens(self, row: PromptRow, embedded: Embedded, chunk: PrefillChunk) -> mx.array:
+        start, end = chunk.start, chunk.end
+        if end == embedded.inputs_embeds.shape[1] and end - start > 1 and self.adapter.can_chunk(row.prompt):
             # The last token alone, as mlx-vlm's generate_step does: the rest's logits are never
             # evaluated, so MLX never computes them (a [tokens, vocab] head is most of a short prefill).
-            self.adapter.prefill(state.input_ids, state.embedded, start, end - 1, state.cache)
+            self.adapter.prefill(row.input_ids, embedded, start, end - 1, row.cache)
             start = end - 1
-        logits = self.adapter.prefill(state.input_ids, state.embedded, start, end, state.cache)
-        state.num_computed = end
-        if not state.done:
-            mx.eval([c.state for c in state.cache])
-            return None
-        mx.eval(logits, [c.state for c in state.cache], state.embedded.row_state)
-        state.row_state = state.embedded.row_state
-        return self._sample_first(logits, [state])[0]
+        return self.adapter.prefill(row.input_ids, embedded, start, end, row.cache)
 
-    def prefills_whole(self, request_id: str, num_tokens: int) -> bool:
-        """Whether this step runs the whole prompt, which may then prefill together with others."""
-        state = self.prefilling[request_id]
-        return state.num_computed == 0 and num_tokens >= state.length and self.adapter.can_batch(state.prompt)
-
-    def prefill_together(self, request_ids: list[str]) -> dict[str, Sample]:
+    def _prefill_together(self, request_ids: list[str], chunks: list[PrefillChunk], out: RunnerOutput) -> None:
         """Whole prompts in one left-padded forward (the adapter's), then each one's first token."""
-        states = [self.prefilling[r] for r in request_ids]
-        embedded = [s.embedded for s in states]
-        assert all(e is not None for e in embedded)
-        split_last = all(self.adapter.can_chunk(s.prompt) for s in states)
-        logits, cache = self.adapter.prefill_rows([s.input_ids for s in states], embedded, split_last)
-        row_state = {k: mx.concatenate([e.row_state[k] for e in embedded]) for k in embedded[0].row_state}
+        rows = [self.prompts[r] for r in request_ids]
+        embedded = [r.embedded for r in rows]
+        assert all(e is not None for e in embedded) and len(chunks) == len(rows)
+        ready = [e for e in embedded if e is not None]
+        split_last = all(self.adapter.can_chunk(r.prompt) for r in rows)
+        logits, cache = self.adapter.prefill_rows([r.input_ids for r in rows], ready, split_last)
+        row_state = {k: mx.concatenate([e.row_state[k] for e in ready]) for k in ready[0].row_state}
         mx.eval(logits, [c.state for c in cache], row_state)
-        group = PrefillGroup(list(request_ids), cache, row_state)
-        for state in states:
-            state.num_computed, state.group, state.cache = state.length, group, []
-        return dict(zip(request_ids, self._sample_first(logits, states)))
+        firsts, sampling = self._sample_first(logits, rows)
+        out.samples.update(zip(request_ids, firsts))
+        out.prefill_batches += 1
+        for i, chunk in enumerate(chunks):
+            if chunk.store_prefix:  # a row of the batch serves a later prompt as if it had been alone
+                self.caches.store_prefix(rows[i].prompt.input_ids, [c.extract(request_ids.index(chunk.request_id))
+                                                                    for c in cache])
+        self._join(request_ids, cache, row_state, sampling, firsts)
 
-    def _sample_first(self, logits: mx.array, states: list[PrefillState]) -> list[Sample]:
-        for state in states:
-            state.embedded = None  # the vision features are in the KV now; free them
-            state.sampling = RowState.create(state.params, state.prompt.input_ids)
-        rows = [s.sampling for s in states]
-        sampled = sample(logits, rows, allowed=guided.allowed(rows, logits.shape[-1]))
-        firsts = [sampled.read(i) for i in range(len(states))]
-        for state, first in zip(states, firsts):
-            state.first_token = first.token_id
-        return firsts
+    def _sample_first(self, logits: mx.array, rows: list[PromptRow]) -> tuple[list[Sample], list[RowState]]:
+        """Each prompt's first token, and the sampling row it takes into the decode batch."""
+        sampling = [RowState.create(r.params, r.prompt.input_ids) for r in rows]
+        sampled = sample(logits, sampling, allowed=guided.allowed(sampling, logits.shape[-1]))
+        for row in rows:
+            row.embedded, row.hidden = None, None  # the vision features are in the KV now; free them
+        return [sampled.read(i) for i in range(len(rows))], sampling
 
-    def prompt_cache(self, request_id: str) -> list[Any]:
-        """The KV of a finished prefill (for the prefix cache; it must not be mutated afterwards)."""
-        state = self.prefilling[request_id]
-        assert state.done
-        if state.group is None:
-            return state.cache
-        row = state.group.request_ids.index(request_id)
-        return [c.extract(row) for c in state.group.cache]
+    def _join(self, request_ids: list[str], cache: list[Any], row_state: dict[str, mx.array],
+              sampling: list[RowState], firsts: list[Sample]) -> None:
+        """Prefilled prompts become the decode batch's last rows; each one's first token is its next input."""
+        for request_id in request_ids:
+            del self.prompts[request_id]
+        self.batch.extend(request_ids, cache, row_state, sampling, [s.token_id for s in firsts])
 
-    def join(self, request_ids: list[str]) -> None:
-        """Move prefilled requests into the decode batch as its last rows; each one's first token is its next input."""
-        states = [self.prefilling.pop(r) for r in request_ids]
-        for request_id, state in zip(request_ids, states):
-            if state.group is None:
-                assert state.row_state is not None and state.sampling is not None and state.first_token is not None
-                rows = [type(c).merge([c]) for c in state.cache]
-                self.batch.extend([request_id], rows, state.row_state, [state.sampling], [state.first_token])
-        for group in {id(s.group): s.group for s in states if s.group is not None}.values():
-            self._join_group(group, {r: s for r, s in zip(request_ids, states) if s.group is group})
+    # -- decode ---------------------------------------------------------------------
 
-    def _join_group(self, group: PrefillGroup, joining: dict[str, PrefillState]) -> None:
-        """The group's rows that go on (others already finished with their first token) join together."""
-        keep = [i for i, r in enumerate(group.request_ids) if r in joining]
-        cache, row_state = group.cache, group.row_state
-        if len(keep) < len(group.request_ids):
-            index = mx.array(keep)
-            for layer in cache:
-                layer.filter(index)
-            row_state = {k: v[index] for k, v in row_state.items()}
-        ids = [group.request_ids[i] for i in keep]
-        states = [joining[r] for r in ids]
-        self.batch.extend(ids, cache, row_state, [s.sampling for s in states], [s.first_token for s in states])
-
-    def decode(self) -> dict[str, Sample]:
+    def decode(self, errors: dict[str, str]) -> dict[str, Sample]:
         """Dispatch one decode step for every row (``mx.async_eval``), then read the step before it.
 
         As mlx-lm's generators do: the next step's graph is built and queued before the host waits
         for the previous one. The samples returned are the rows' tokens from the previous step; a
-        row that just joined has none yet (its first token went out with its prefill).
+        row that just joined has none yet (its first token went out with its prefill). A row whose
+        grammar refuses the token it is fed lands in ``errors``.
         """
         batch = self.batch
         assert batch.cache is not None and batch.tokens is not None
         if guided.guided(batch.sampling):  # the grammars need this step's inputs now: no pipelining
             refused = guided.consume(batch.sampling, batch.tokens.tolist())
-            self.guide_errors.update({batch.request_ids[i]: why for i, why in refused.items()})
+            errors.update({batch.request_ids[i]: why for i, why in refused.items()})
         logits = self.adapter.decode(batch.tokens[:, None], batch.cache, batch.row_state)
         step = sample(logits, batch.sampling, batch.tokens, guided.allowed(batch.sampling, logits.shape[-1]))
         mx.async_eval(*step.arrays())
@@ -225,7 +235,7 @@ class ModelRunner:
         """Drop finished or aborted requests, prefilling or decoding, and free their KV."""
         ids = list(request_ids)
         for request_id in ids:
-            self.prefilling.pop(request_id, None)
+            self.prompts.pop(request_id, None)
         self.batch.remove(ids)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from vlmserve.engine.params import SamplingParams
+from vlmserve.engine.plan import Sample, TokenLogprob
 
 PENALTY_CONTEXT = 64  # how many recent tokens the penalties look at
 
@@ -37,21 +38,6 @@ class RowState:
         history = mx.array(list(context[-PENALTY_CONTEXT:]), dtype=mx.int32) if params.needs_history else None
         matcher = params.guide.template.deep_copy() if params.guide is not None else None
         return cls(params, key, history, matcher)
-
-
-@dataclass(slots=True, frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(slots=True, frozen=True)
-class Sample:
-    """One row's sampled token, with its logprobs when the request asked for them."""
-
-    token_id: int
-    logprob: TokenLogprob | None = None
 
 
 @dataclass(slots=True)

@@ -1,43 +1,52 @@
-"""[worker] The scheduler decides: who is admitted, how many tokens each request runs this step,
-and what the step's results mean for each request's state.
+"""[worker] The scheduler decides: who is admitted, what each request runs this step, and what the
+step's results mean for each request's state.
 
-Per-step admission: every step admits waiting requests into free batch slots, so a new
-request starts within one step and nothing waits for the batch to drain. Every running
-request that finished its prompt decodes one token; the prompt tokens of the others share a
-per-step budget (vLLM's ``num_scheduled_tokens``), so a step's prefill is really bounded.
+Every step is planned and bounded, so a running stream never freezes when new prompts arrive:
+- every running request that finished its prompt decodes one token;
+- new prompts' images are encoded under a per-step encoder budget (vLLM v1's encoder budget), in
+  admission order; an image already in the vision cache costs nothing;
+- prompt tokens share a per-step token budget (vLLM's ``num_scheduled_tokens``). A prompt that
+  cannot be split by tokens (an image span attending both ways) is split by layers instead: a few
+  of the language model's layers per step, as many as its share of the budget pays for, its hidden
+  state carried to the next step. One such prompt at a time.
+Per-step admission: every step admits waiting requests into free batch slots while the KV budget
+holds them, so a new request starts within one step.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from vlmserve.engine.memory import KVBudget
+from vlmserve.engine.params import PromptInputs
+from vlmserve.engine.plan import NewRequest, PrefillChunk, RunnerOutput, SchedulerOutput
 from vlmserve.engine.request import Request, RequestStatus
 
 
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
-    max_batch_size: int = 8
-    prefill_chunk: int = 512  # prompt tokens per step, over all prefilling requests
+    max_batch_size: int
+    prefill_chunk: int  # prompt tokens per step, over all prefilling requests, while nothing decodes
+    # While requests decode: prompt tokens per step (None: ``prefill_chunk``; the engine sizes it
+    # from measured costs, engine/costs.py) and images encoded per step (the first always goes).
+    stream_prefill_chunk: int | None = None
+    encoder_budget: int = 1
+    num_layers: int = 1  # the language model's; a prompt split by layers runs a share of them per step
+    layer_starts: tuple[int, ...] | None = None  # where a layer piece may start; None: at any layer
+    reuses_prefix: bool = True  # may a cached text prefix's KV serve a longer prompt (the adapter says)
 
 
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step's plan: rows to decode (one token each), then prompt tokens per prefilling request."""
-
-    decode: list[Request] = field(default_factory=list)
-    prefill: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.prefill
+class CacheBook(Protocol):
+    """What the scheduler asks the caches (engine/caches.py): it decides, they keep the arrays."""
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens[r.request_id] for r in self.prefill)
+    def prefix_enabled(self) -> bool: ...
+
+    def lookup_prefix(self, tokens: list[int]) -> tuple[Any, int]: ...
+
+    def uncached_images(self, prompt: PromptInputs) -> int: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,17 +59,27 @@ class RequestUpdate:
     error: str | None = None
 
 
+@dataclass(slots=True)
+class _Budgets:
+    tokens: int
+    layer_split_busy: bool = False  # a prompt is part-way through its layers
+    prefill: list[PrefillChunk] = field(default_factory=list)
+
+
 def kv_need(req: Request) -> int:
     """The positions a request may fill: its prompt and every token it may generate."""
     return min(req.num_prompt_tokens + req.params.max_tokens, req.max_context)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, budget: KVBudget | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, budget: KVBudget | None = None, caches: CacheBook | None = None) -> None:
         self.config = config
         self.budget = budget or KVBudget(None)
+        self.caches = caches
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admitted: prefilling or decoding, in admission order
+        self.running: list[Request] = []  # admitted: encoding, prefilling or decoding, in admission order
+        self._finished: list[str] = []  # ended since the last plan: the runner frees them next step
+        self.stream_tokens = config.stream_prefill_chunk or config.prefill_chunk
 
     def add(self, req: Request) -> None:
         assert req.status is RequestStatus.WAITING
@@ -68,6 +87,14 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_finished(self) -> bool:
+        """Whether requests ended that the runner still holds (the next plan frees them)."""
+        return bool(self._finished)
+
+    def take_finished(self) -> list[str]:
+        finished, self._finished = self._finished, []
+        return finished
 
     def get(self, request_id: str) -> Request | None:
         for req in (*self.running, *self.waiting):
@@ -79,9 +106,33 @@ class Scheduler:
     def kv_reserved_bytes(self) -> int:
         return self.budget.batch_bytes([kv_need(r) for r in self.running])
 
-    def admit(self) -> list[Request]:
-        """Move waiting requests into free batch slots while the KV budget holds them; the caller
-        starts them before ``schedule``."""
+    # -- planning -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Admit, then plan the step: forget, enter, encode, decode, prefill."""
+        out = SchedulerOutput(finished=self.take_finished())
+        out.new = [self._enter(r) for r in self._admit()]
+        out.decode = [r.request_id for r in self.running if r.encoded and r.prefill_done]
+        # Bounded steps while requests decode: nobody's stream freezes. Otherwise, all at once.
+        tokens = min(self.stream_tokens, self.config.prefill_chunk) if out.decode else self.config.prefill_chunk
+        out.encode = self._plan_encode(self.config.encoder_budget if out.decode else None)
+        ready = set(out.encode) - {r.request_id for r in self.running if r.num_images}  # text: same step
+        budgets = _Budgets(tokens, any(r.num_computed_layers for r in self.running))
+        for req in self.running:
+            if req.prefill_done or not (req.encoded or req.request_id in ready):
+                continue
+            chunk = self._chunk(req, budgets)
+            if chunk is None:
+                break  # first come, first served: nobody overtakes a prompt that did not fit
+            budgets.prefill.append(chunk)
+            if budgets.tokens <= 0:
+                break
+        out.prefill = budgets.prefill
+        out.prefill_groups = self._groups(out.prefill)
+        return out
+
+    def _admit(self) -> list[Request]:
+        """Move waiting requests into free batch slots while the KV budget holds them."""
         admitted = []
         while self.waiting and len(self.running) < self.config.max_batch_size:
             if not self.budget.fits([kv_need(r) for r in (*self.running, self.waiting[0])]):
@@ -92,46 +143,122 @@ class Scheduler:
             admitted.append(req)
         return admitted
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan the step over the running requests: one token per decode row, prompt tokens within budget."""
-        out = SchedulerOutput(decode=[r for r in self.running if r.prefill_done])
-        out.num_scheduled_tokens = {r.request_id: 1 for r in out.decode}
-        budget = self.config.prefill_chunk
+    def _enter(self, req: Request) -> NewRequest:
+        prefix, cached = (None, 0)
+        if self._prefix_cacheable(req) and self.caches is not None:
+            prefix, cached = self.caches.lookup_prefix(req.prompt.input_ids)
+        req.num_computed_tokens = req.num_cached_tokens = cached
+        return NewRequest(req.request_id, req.prompt, req.params, prefix, cached)
+
+    def _prefix_cacheable(self, req: Request) -> bool:
+        # Never reuse KV for a prompt with pixel_values: same tokens, different image.
+        enabled = self.caches is not None and self.caches.prefix_enabled
+        return enabled and self.config.reuses_prefix and not req.prompt.has_images
+
+    def _plan_encode(self, budget: int | None) -> list[str]:
+        """Requests to embed this step, in admission order: text prompts at once, image prompts while
+        ``budget`` images last (None: no limit; the first always goes); cached images cost nothing."""
+        planned: list[str] = []
+        images, spent, blocked = budget, False, False
         for req in self.running:
-            if req.prefill_done:
+            if req.encoded:
                 continue
-            n = self._prompt_tokens(req, budget, first=not out.prefill)
-            if n == 0:
-                break  # first come, first served: nobody overtakes a prompt that did not fit
-            out.prefill.append(req)
-            out.num_scheduled_tokens[req.request_id] = n
-            budget -= n
-        return out
+            cost = self._encode_cost(req)
+            if cost and images is not None and (blocked or (spent and cost > images)):
+                blocked = True  # nobody overtakes it but prompts that cost no encoding
+                continue
+            planned.append(req.request_id)
+            images = None if images is None else images - cost
+            spent = spent or cost > 0
+        return planned
 
-    @staticmethod
-    def _prompt_tokens(req: Request, budget: int, first: bool) -> int:
-        """Prompt tokens ``req`` runs this step. A prompt that cannot be split goes in whole: in a
-        step of its own when it is bigger than the budget, else it would never run."""
-        left = req.num_prompt_tokens - req.num_computed_tokens
+    def _encode_cost(self, req: Request) -> int:
+        if not req.num_images:
+            return 0
+        return self.caches.uncached_images(req.prompt) if self.caches is not None else req.num_images
+
+    def _chunk(self, req: Request, budgets: _Budgets) -> PrefillChunk | None:
+        """What of ``req``'s prompt runs this step within what is left of the token budget."""
+        start, end = req.num_computed_tokens, req.num_prompt_tokens
+        first = not budgets.prefill
         if req.chunkable:
-            return min(left, max(budget, 0))
-        return left if left <= budget or first else 0
+            n = min(end - start, max(budgets.tokens, 0))
+            budgets.tokens -= n
+            return self._tokens_chunk(req, start, start + n) if n > 0 else None
+        if not req.num_computed_layers and (end - start <= budgets.tokens or (start and first)):
+            budgets.tokens -= end - start  # whole; after a reused prefix, layer pieces cannot start
+            return self._tokens_chunk(req, start, end)
+        if start:
+            return None
+        if budgets.layer_split_busy and not req.num_computed_layers:
+            return None  # one prompt goes by layers at a time
+        layers = self._layers(req, end - start, budgets.tokens, first)
+        if layers is None:
+            return None
+        budgets.layer_split_busy = True
+        budgets.tokens -= -(-(end - start) * (layers[1] - layers[0]) // self.config.num_layers)
+        last = None if layers[1] >= self.config.num_layers else layers[1]
+        return PrefillChunk(req.request_id, start, end, layers[0], last,
+                            store_prefix=last is None and self._prefix_cacheable(req))
 
-    def update_from_output(self, plan: SchedulerOutput, sampled: Mapping[str, int],
-                           failed: Mapping[str, str]) -> list[RequestUpdate]:
-        """Apply one step: prompt progress, each sampled token, failures. Finished requests leave."""
+    def _tokens_chunk(self, req: Request, start: int, end: int) -> PrefillChunk:
+        store = end == req.num_prompt_tokens and self._prefix_cacheable(req)
+        return PrefillChunk(req.request_id, start, end, store_prefix=store)
+
+    def _layers(self, req: Request, length: int, tokens: int, first: bool) -> tuple[int, int] | None:
+        """The layers ``[a, b)`` a prompt of ``length`` positions runs for ``tokens`` of budget: each
+        layer costs ``length / num_layers``. None if not even one layer fits and others ran first."""
+        n = self.config.num_layers
+        a = req.num_computed_layers
+        b = min(n, a + max(tokens, 0) * n // max(length, 1))
+        starts = [s for s in (self.config.layer_starts or range(n)) if s > a] + [n]
+        fits = [s for s in starts if s <= b]
+        if fits:
+            return a, fits[-1]
+        return (a, starts[0]) if first else None  # a piece must end where the next one may start
+
+    def _groups(self, chunks: list[PrefillChunk]) -> list[list[str]]:
+        """Whole prompts starting this step that may share one left-padded forward."""
+        whole = []
+        for chunk in chunks:
+            req = self._running(chunk.request_id)
+            if req is not None and req.batchable and chunk.start == 0 and chunk.final and chunk.first_layer == 0 \
+                    and chunk.end == req.num_prompt_tokens:
+                whole.append(chunk.request_id)
+        return [whole] if len(whole) > 1 else []
+
+    # -- results --------------------------------------------------------------------
+
+    def update_from_output(self, plan: SchedulerOutput, output: RunnerOutput) -> list[RequestUpdate]:
+        """Apply one step: embeddings made, prompt progress, each sampled token, failures."""
         updates = []
-        for req in (*plan.decode, *plan.prefill):
-            if req.request_id in failed:
-                self.finish(req, RequestStatus.FINISHED_ERROR)
-                updates.append(RequestUpdate(req, finish=req.status, error=failed[req.request_id]))
+        for request_id in plan.encode:
+            req = self._running(request_id)
+            if req is not None and request_id not in output.errors:
+                req.encoded = True
+                req.num_prompt_tokens = output.prompt_lengths.get(request_id, req.num_prompt_tokens)
+        for chunk in plan.prefill:
+            req = self._running(chunk.request_id)
+            if req is not None and chunk.request_id not in output.errors:
+                req.num_computed_layers = 0 if chunk.final else chunk.last_layer or 0
+                req.num_computed_tokens = chunk.end if chunk.final else req.num_computed_tokens
+        touched = [*plan.encode, *plan.decode, *(c.request_id for c in plan.prefill)]
+        for request_id in dict.fromkeys(touched):
+            req = self._running(request_id)
+            if req is None:
                 continue
-            if not req.prefill_done:
-                req.num_computed_tokens += plan.num_scheduled_tokens[req.request_id]
-            token = sampled.get(req.request_id)
-            if token is not None:
-                updates.append(self._take(req, token))
+            if request_id in output.errors:
+                self.finish(req, RequestStatus.FINISHED_ERROR)
+                updates.append(RequestUpdate(req, finish=req.status, error=output.errors[request_id]))
+            elif (sample := output.samples.get(request_id)) is not None:
+                updates.append(self._take(req, sample.token_id))
         return updates
+
+    def _running(self, request_id: str) -> Request | None:
+        for req in self.running:
+            if req.request_id == request_id:
+                return req
+        return None
 
     def _take(self, req: Request, token: int) -> RequestUpdate:
         status = req.append_token(token)
@@ -141,12 +268,14 @@ class Scheduler:
         return RequestUpdate(req, kept, status)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """Take a request out of the scheduler for good (done, aborted or failed)."""
+        """Take a request out of the scheduler for good (done, aborted or failed); the runner frees
+        what it holds of it at the next step."""
         assert status.finished
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+            self._finished.append(req.request_id)
         req.status = status
 
     @property

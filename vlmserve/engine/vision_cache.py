@@ -33,6 +33,10 @@ class VisionCache:
         self._entries: OrderedDict[str, mx.array] = OrderedDict()
         self.bytes = self.hits = self.misses = self.evictions = 0
 
+    def __contains__(self, key: str) -> bool:
+        """Whether ``key`` is kept, without counting a hit or a miss (the scheduler's question)."""
+        return key in self._entries
+
     def get(self, key: str) -> mx.array | None:
         features = self._entries.get(key)
         if features is None:

@@ -101,11 +101,15 @@ class AsyncEngine:
         probe = await asyncio.get_running_loop().run_in_executor(
             self._pool, self.prompter.build, [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
         self.kv = await self.worker.run(self.core.measure_kv, probe)
+        costs = await self.worker.run(self.core.measure_costs, probe)
         self._metrics = await self.worker.run(self.core.snapshot)  # not the warm-up's last step
         self.ready = True
         log.info("model %s (%s): loaded in %.2f s, warmed up in %.2f s; KV cache %.1f KiB per position, budget %.2f GiB",
                  self.name, self.loaded.model_type, loaded - began, time.perf_counter() - loaded,
                  self.kv.footprint.per_position / 1024, (self.kv.limit_bytes or 0) / 2**30)
+        log.info("model %s: a prompt token costs %.2f ms, a decode step %.1f ms: %d prompt tokens per step while "
+                 "requests decode", self.name, costs.prompt_token_s * 1e3, costs.decode_step_s * 1e3,
+                 costs.stream_tokens())
 
     def _load(self) -> LoadedModel:
         self.worker.assert_on_worker()

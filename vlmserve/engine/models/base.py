@@ -150,6 +150,47 @@ class ModelAdapter:
             start = longest - 1
         return self._forward_columns(ids, embeds, kwargs, cache, start, longest), cache
 
+    @property
+    def num_layers(self) -> int:
+        """The language model's decoder layers: the pieces a prompt split by layers can go in."""
+        layers = getattr(getattr(self.language_model, "model", None), "layers", None)
+        return len(layers) if isinstance(layers, list) and layers else 1
+
+    def layer_starts(self) -> tuple[int, ...] | None:
+        """Layers a piece may start at (None: any). A layer that reads another's KV within the
+        forward (Gemma 4's shared KV) must run in the same piece as it."""
+        return None
+
+    def prefill_layers(self, input_ids: mx.array, embedded: Embedded, cache: list[Any], first: int, last: int,
+                       hidden: mx.array | None) -> tuple[mx.array, mx.array]:
+        """The whole prompt through layers ``[first, last)`` only, from ``hidden`` (the state after
+        layer ``first - 1``); returns the logits (meaningful when ``last`` is the last layer) and the
+        state after layer ``last - 1``.
+
+        mlx-vlm's own forward runs, so masks, scaling and per-layer inputs are what a whole prefill
+        makes; the layers outside the piece write to throwaway caches, and since nothing evaluated
+        depends on them, MLX never computes them. The piece's first layer takes ``hidden`` instead
+        of its input. Same operations on the same values: the KV equals a whole prefill's, bitwise.
+        """
+        assert all(getattr(c, "offset", 0) == 0 for c in cache[first:last]), "a prompt split by layers starts at 0"
+        text_model = self.language_model.model
+        layers = text_model.layers
+        scratch = self.make_cache()
+        caches = [cache[i] if first <= i < last else scratch[i] for i in range(len(layers))]
+        assert (hidden is not None) == (first > 0)
+        exit_tap = _LayerTap(layers[last - 1], hidden if first == last - 1 else None, capture=True)
+        taps = list(layers)
+        taps[last - 1] = exit_tap
+        if first < last - 1 and hidden is not None:
+            taps[first] = _LayerTap(layers[first], hidden, capture=False)
+        text_model.layers = taps
+        try:
+            logits = self.prefill(input_ids, embedded, 0, input_ids.shape[1], caches)
+        finally:
+            text_model.layers = layers
+        assert exit_tap.output is not None
+        return logits, exit_tap.output
+
     def _forward_columns(self, ids: mx.array, embeds: mx.array, kwargs: dict[str, Any], cache: list[Any],
                          start: int, end: int) -> mx.array:
         width = embeds.shape[1]
@@ -171,3 +212,20 @@ def _stack_rows(values: list[mx.array], lengths: list[int], longest: int) -> mx.
     if all(v.ndim == 2 and v.shape == (1, n) for v, n in zip(values, lengths)):
         return mx.concatenate([mx.pad(v, [(0, 0), (longest - v.shape[1], 0)]) for v in values])
     return mx.concatenate(values)
+
+
+class _LayerTap:
+    """Stands in for one decoder layer during a layer piece: feeds it the carried hidden state
+    and/or keeps what it returns. Everything else (``layer_type``...) reads through to the layer."""
+
+    def __init__(self, layer: Any, hidden: mx.array | None, capture: bool) -> None:
+        self.__dict__.update(layer=layer, hidden=hidden, capture=capture, output=None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["layer"], name)
+
+    def __call__(self, h: mx.array, *args: Any, **kwargs: Any) -> Any:
+        out = self.layer(self.hidden if self.hidden is not None else h, *args, **kwargs)
+        if self.capture:
+            self.__dict__["output"] = out[0] if isinstance(out, tuple) else out
+        return out

@@ -50,6 +50,15 @@ class Gemma4Adapter(ModelAdapter):
     def join_features(self, features: list[mx.array]) -> mx.array:
         return mx.concatenate(features, axis=1)  # scattered in order over the image tokens
 
+    def layer_starts(self) -> tuple[int, ...] | None:
+        # Shared-KV layers (E2B/E4B) read their source layer's KV within one forward: a piece may
+        # start no later than the first source, so every reader runs with what it reads.
+        text_model = self.language_model.model
+        first_shared = getattr(text_model, "first_kv_shared_layer_idx", len(text_model.layers))
+        if first_shared >= len(text_model.layers):
+            return None
+        return tuple(range(min(text_model.previous_kvs[first_shared:]) + 1))
+
 
 class PaliGemmaAdapter(ModelAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("paligemma",)

@@ -1,0 +1,74 @@
+"""[worker] What a step costs on this machine, measured, and the prompt share of a step it allows.
+
+A stream decoding one token a step freezes for as long as one step runs. While requests decode,
+the scheduler gives each step only as many prompt tokens as take ``share`` times a decode step:
+the seconds a prompt token costs are probed once at start-up (a text prompt prefilled whole), and
+a decode step's are a running average over the steps that decode, less their prompt and vision
+work. On a compute-bound CPU a prompt token costs a third of a decode step; on a Mac's GPU a
+fiftieth: one rule gives each its own token budget. While nothing decodes there is nobody to
+freeze, and prompts get the full ``prefill_chunk``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.plan import NewRequest, PrefillChunk, SchedulerOutput
+
+FLOOR_TOKENS = 16  # prompt tokens per step while requests decode, at least: every prompt moves on
+PROBE_TOKENS = 128  # the cost probe's prompt length: long enough that per-token cost dominates
+_AVERAGE = 0.2  # weight of the newest decode step in the running average
+
+
+@dataclass(slots=True)
+class StepCosts:
+    share: float  # a step's prompt work may take this many decode steps' time
+    floor: int  # prompt tokens per step, at least
+    ceiling: int  # and at most (the idle budget)
+    prompt_token_s: float = 0.0
+    decode_step_s: float = 0.0
+
+    def observe(self, seconds: float, prompt_tokens: float, vision_s: float) -> None:
+        """One step that decoded: what its decode took, once its prompt and vision work are taken off."""
+        decode = seconds - prompt_tokens * self.prompt_token_s - vision_s
+        if decode <= 0:
+            return
+        self.decode_step_s = decode if not self.decode_step_s else (
+            (1 - _AVERAGE) * self.decode_step_s + _AVERAGE * decode)
+
+    def stream_tokens(self) -> int:
+        """Prompt tokens per step while requests decode."""
+        if self.prompt_token_s <= 0 or self.decode_step_s <= 0:
+            return self.floor
+        return int(min(self.ceiling, max(self.floor, self.share * self.decode_step_s / self.prompt_token_s)))
+
+
+def measure_costs(runner: Any, prompt: PromptInputs, decode_steps: int = 6) -> tuple[float, float]:
+    """Seconds per prompt token and per decode step (batch 1) on an idle runner (a ModelRunner):
+    ``prompt``'s tokens repeated to ``PROBE_TOKENS``, prefilled whole, then a few decode steps."""
+    assert not runner.batch, "measure costs on an idle runner"
+    ids = (prompt.input_ids * (PROBE_TOKENS // max(1, len(prompt.input_ids)) + 1))[:PROBE_TOKENS]
+    probe = "cost-probe"
+    new = NewRequest(probe, PromptInputs(ids), SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True))
+    try:
+        _checked(runner.execute(SchedulerOutput(new=[new], encode=[probe])))
+        start = time.perf_counter()
+        _checked(runner.execute(SchedulerOutput(prefill=[PrefillChunk(probe, 0, len(ids))])))
+        prompt_token_s = (time.perf_counter() - start) / len(ids)
+        steps = []
+        for _ in range(decode_steps):
+            start = time.perf_counter()
+            _checked(runner.execute(SchedulerOutput(decode=[probe])))
+            steps.append(time.perf_counter() - start)
+        return prompt_token_s, statistics.median(steps[1:])  # the first only dispatches (pipelined decode)
+    finally:
+        runner.execute(SchedulerOutput(finished=[probe]))
+
+
+def _checked(out: Any) -> None:
+    if out.errors:
+        raise RuntimeError(f"could not measure the step costs: {next(iter(out.errors.values()))}")

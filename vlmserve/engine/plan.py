@@ -1,0 +1,107 @@
+"""[worker] The contract between the scheduler and the runner: one step's plan and what running it gave.
+
+The scheduler writes a ``SchedulerOutput`` naming everything the step does (vLLM v1's shape): the
+requests that enter the runner, the images to encode, the prompt chunks to prefill (and which share
+a forward), the rows that decode, and the requests to forget. ``ModelRunner.execute`` runs exactly
+that and answers with a ``RunnerOutput``: sampled tokens, and an error for each request a part of
+the step failed (a fault, a grammar refusal). No MLX here: the scheduler and its tests use it as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmserve.engine.params import PromptInputs, SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class Sample:
+    """One row's sampled token, with its logprobs when the request asked for them."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class NewRequest:
+    """A request entering the runner; ``prefix`` is a reused text prefix's KV (the cache's private
+    copy, opaque here) covering the first ``num_cached`` prompt tokens."""
+
+    request_id: str
+    prompt: PromptInputs
+    params: SamplingParams
+    prefix: Any = None
+    num_cached: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class PrefillChunk:
+    """Prompt positions ``[start, end)`` of one request through the language model's layers
+    ``[first_layer, last_layer)``. A prompt split by tokens runs every layer per chunk; one that
+    cannot be (an image span attending both ways) runs whole, a few layers per step."""
+
+    request_id: str
+    start: int
+    end: int
+    first_layer: int = 0
+    last_layer: int | None = None  # None: through the last layer
+    store_prefix: bool = False  # the prompt ends here and its KV goes into the prefix cache
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def final(self) -> bool:
+        """Whether the chunk leaves these positions in the KV cache (through the last layer)."""
+        return self.last_layer is None
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan. Lists keep admission order; the runner executes them in the order
+    forget -> enter -> encode -> decode -> prefill."""
+
+    new: list[NewRequest] = field(default_factory=list)
+    encode: list[str] = field(default_factory=list)  # embed: vision tower (or the vision cache) and merge
+    decode: list[str] = field(default_factory=list)  # one token each
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    # Whole prompts that share one left-padded forward (two or more each); other chunks run alone.
+    prefill_groups: list[list[str]] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # ended since the last step: free their state
+
+    @property
+    def empty(self) -> bool:
+        return not (self.encode or self.decode or self.prefill)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefill)
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        """Tokens per request this step (vLLM's name): one per decode row, its chunk per prompt."""
+        return {**dict.fromkeys(self.decode, 1), **{c.request_id: c.num_tokens for c in self.prefill}}
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What running one plan gave: a token for each decode row whose token is ready and each prompt
+    that ended; the positions each newly embedded prompt fills; and, per request, the error a part
+    of the step ended it with. A failed request has no token."""
+
+    samples: dict[str, Sample] = field(default_factory=dict)
+    prompt_lengths: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    vision_seconds: float = 0.0  # spent embedding image prompts: vision tower (or the vision cache) and merge
+    vision_batches: int = 0  # vision forwards shared by several image prompts
+    prefill_batches: int = 0  # forwards that prefilled several whole prompts together
+    faults: int = 0  # parts of the step that raised
