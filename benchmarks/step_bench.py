@@ -45,11 +45,11 @@ def _prefill(runner: Any, request_id: str, prompt: Any) -> float:
     """Embed and prefill one request alone, in one piece, into the batch (two plans through
     ``ModelRunner.execute``); returns the seconds it took."""
     from vlmserve.engine.params import SamplingParams
-    from vlmserve.engine.plan import NewRequest, PrefillChunk, SchedulerOutput
+    from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, SchedulerOutput
 
     start = time.perf_counter()
     new = NewRequest(request_id, prompt, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
-    out = runner.execute(SchedulerOutput(new=[new], encode=[request_id]))
+    out = runner.execute(SchedulerOutput(new=[new], encode=[EncodeChunk(request_id)]))
     out = runner.execute(SchedulerOutput(prefill=[PrefillChunk(request_id, 0, out.prompt_lengths[request_id])]))
     assert not out.errors, out.errors
     return time.perf_counter() - start

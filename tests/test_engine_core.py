@@ -30,6 +30,7 @@ class FakeAdapter:
     """What the core reads of a family: image prompts cannot be split by tokens, as Gemma's."""
 
     num_layers: int = 4
+    num_vision_blocks: int = 0
     reuses_prefix: bool = True
     vision_cache: bool = False
 
@@ -70,8 +71,8 @@ class FakeRunner:
         for new in plan.new:
             self.live[new.request_id] = 0
             lengths[new.request_id] = len(new.prompt.input_ids)
-        out = RunnerOutput(prompt_lengths={r: lengths.get(r, 0) for r in plan.encode})
-        touched = [*plan.encode, *plan.decode, *(c.request_id for c in plan.prefill)]
+        out = RunnerOutput(prompt_lengths={r: lengths.get(r, 0) for r in plan.encode_ids})
+        touched = [*plan.encode_ids, *plan.decode, *(c.request_id for c in plan.prefill)]
         assert all(r in self.live for r in touched), "the plan touches a request the runner does not hold"
         for chunk in plan.prefill:
             if chunk.request_id in self.fail:
@@ -156,7 +157,7 @@ def test_a_text_request_is_embedded_prefilled_in_chunks_and_decoded(harness: Any
     assert h.tokens("a") == [100, 101, 102] and h.finish("a").finish_reason == "length"
     assert h.finish("a").num_prompt_tokens == 40
     first = next(p for p in h.runner.plans if p.new)
-    assert first.encode == ["a"] and first.prefill[0].request_id == "a"  # a text prompt starts at once
+    assert first.encode_ids == ["a"] and first.prefill[0].request_id == "a"  # a text prompt starts at once
 
 
 def test_an_image_prompt_that_cannot_be_split_by_tokens_goes_by_layers(harness: Any) -> None:
@@ -165,7 +166,7 @@ def test_an_image_prompt_that_cannot_be_split_by_tokens_goes_by_layers(harness: 
     h.until_finished("img")
     # Encoded in one step, then 32 positions through 4 layers at 16 tokens a step: 2 layers a step.
     assert h.runner.chunks("img") == [(0, 32, 0, 2), (0, 32, 2, None)]
-    encode_step = next(i for i, p in enumerate(h.runner.plans) if p.encode == ["img"])
+    encode_step = next(i for i, p in enumerate(h.runner.plans) if p.encode_ids == ["img"])
     assert not h.runner.plans[encode_step].prefill  # its length is the embedding's: known after encoding
     assert h.tokens("img") == [100, 101]
 
@@ -180,7 +181,7 @@ def test_images_are_encoded_one_per_step_while_a_stream_decodes(harness: Any) ->
     h.until_finished("i0", "i1", "i2", "i3")
     h.core.post(AbortRequest("stream"))
     h.until_finished("stream")
-    burst = [p for p in h.runner.plans if any(r.startswith("i") for r in [*p.encode, *p.decode])]
+    burst = [p for p in h.runner.plans if any(r.startswith("i") for r in [*p.encode_ids, *p.decode])]
     for plan in burst:
         assert len(plan.encode) <= 1  # the encoder budget
         assert "stream" in plan.decode  # the stream decoded every step
@@ -232,7 +233,7 @@ def test_an_abort_mid_encode_never_encodes(harness: Any) -> None:
     h.core.post(AbortRequest("second"))
     h.runner.release.set()
     h.until_finished("first", "second", "stream")
-    assert [r for p in h.runner.plans for r in p.encode] == ["stream", "first"]
+    assert [r for p in h.runner.plans for r in p.encode_ids] == ["stream", "first"]
     assert h.finish("second").finish_reason == "abort"
 
 

@@ -48,8 +48,10 @@ class FakeCaches:
                 return self.prefixes[tuple(tokens[:n])], n
         return None, 0
 
-    def uncached_images(self, prompt: PromptInputs) -> int:
-        return sum(item.key not in self.images for item in prompt.images) if prompt.images else prompt.num_images
+    def uncached_images(self, prompt: PromptInputs) -> tuple[int, int]:
+        """Images to encode, and their pixel values: here 3 per image."""
+        n = sum(item.key not in self.images for item in prompt.images) if prompt.images else prompt.num_images
+        return n, 3 * n
 
 
 def _step(s: Scheduler, sampled: dict[str, int] | None = None, errors: dict[str, str] | None = None,
@@ -80,7 +82,7 @@ def test_admits_up_to_batch_size_each_step():
     reqs = [_req(f"r{i}") for i in range(3)]
     s = _scheduler(*reqs, batch=2)
     plan = s.schedule()
-    assert [n.request_id for n in plan.new] == ["r0", "r1"] == plan.encode  # text prompts: embed and prefill
+    assert [n.request_id for n in plan.new] == ["r0", "r1"] == plan.encode_ids  # text prompts: embed and prefill
     assert [c.request_id for c in plan.prefill] == ["r0", "r1"]
     assert s.num_running == 2 and s.num_waiting == 1 and reqs[2].status is RequestStatus.WAITING
 
@@ -188,7 +190,7 @@ def test_while_nothing_decodes_every_image_is_encoded_and_the_full_budget_runs()
     reqs = [_req(f"i{i}", images=(f"k{i}",)) for i in range(3)]
     s = _scheduler(*reqs, budget=512, stream_prefill_chunk=16, encoder_budget=1)
     plan, _ = _step(s)
-    assert plan.encode == ["i0", "i1", "i2"]
+    assert plan.encode_ids == ["i0", "i1", "i2"]
     plan, _ = _step(s)
     assert plan.num_prefill_tokens == 30 and plan.prefill_groups == [["i0", "i1", "i2"]]
 
@@ -201,13 +203,34 @@ def test_while_a_stream_decodes_steps_take_the_stream_budgets():
     for r in (*reqs, text):
         s.add(r)
     plan, _ = _step(s, lengths={"i0": 12})
-    assert plan.decode == ["stream"] and plan.encode == ["i0", "text"]  # one image; text costs none
+    assert plan.decode == ["stream"] and plan.encode_ids == ["text", "i0"]  # one image; text costs none
     assert _chunks(plan) == {"text": (0, 16, 0, None)}
     assert reqs[0].encoded and reqs[0].num_prompt_tokens == 12  # the embedding's length is the prompt's
     plan, _ = _step(s)
-    assert plan.encode == ["i1"] and _chunks(plan) == {"i0": (0, 12, 0, None), "text": (16, 20, 0, None)}
+    assert plan.encode_ids == ["i1"] and _chunks(plan) == {"i0": (0, 12, 0, None), "text": (16, 20, 0, None)}
     plan, _ = _step(s)
-    assert plan.encode == ["i2"] and s.stream_tokens == 16
+    assert plan.encode_ids == ["i2"] and s.stream_tokens == 16
+
+
+def test_while_a_stream_decodes_one_image_goes_a_few_tower_blocks_a_step():
+    """An image costs 64 tokens' time over 8 blocks; 16 tokens a step pay for 2 blocks, and nothing
+    else is encoded or prefilled in those steps."""
+    s = _scheduler(stream_prefill_chunk=16, vision_blocks=8)
+    s.pixel_tokens = 64 / 3  # the fake's images have 3 pixel values
+    _decoding(s)
+    a, b = _req("a", images=("x",)), _req("b", images=("y",))
+    s.add(a)
+    s.add(b)
+    pieces = []
+    while not a.encoded:
+        plan, _ = _step(s)
+        assert plan.decode == ["stream"] and not plan.prefill
+        pieces += [(c.request_id, c.first_block, c.last_block) for c in plan.encode]
+    assert pieces == [("a", 0, 2), ("a", 2, 4), ("a", 4, 6), ("a", 6, None)]
+    plan, _ = _step(s)
+    assert _chunks(plan) == {"a": (0, 10, 0, None)} and plan.encode == []  # a first; 6 tokens pay for no block
+    plan, _ = _step(s)
+    assert [(c.request_id, c.first_block, c.last_block) for c in plan.encode] == [("b", 0, 2)]
 
 
 def test_an_image_the_vision_cache_holds_costs_no_encoder_budget():
@@ -215,7 +238,7 @@ def test_an_image_the_vision_cache_holds_costs_no_encoder_budget():
     _decoding(s)
     for r in (_req("a", images=("x",)), _req("b", images=("seen", "seen")), _req("c", images=("y",))):
         s.add(r)
-    assert s.schedule().encode == ["a", "b"]
+    assert s.schedule().encode_ids == ["a", "b"]
 
 
 def test_the_first_image_prompt_goes_whatever_its_cost():
@@ -223,7 +246,7 @@ def test_the_first_image_prompt_goes_whatever_its_cost():
     _decoding(s)
     s.add(_req("many", images=("a", "b", "c")))
     s.add(_req("one", images=("d",)))
-    assert s.schedule().encode == ["many"]
+    assert s.schedule().encode_ids == ["many"]
 
 
 def test_a_text_prefix_is_looked_up_at_admission_and_stored_at_the_end_of_its_prompt():

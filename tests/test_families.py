@@ -19,7 +19,7 @@ from conftest import scene
 
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.params import PromptInputs, SamplingParams
-from vlmserve.engine.plan import NewRequest, SchedulerOutput
+from vlmserve.engine.plan import EncodeChunk, NewRequest, SchedulerOutput
 from vlmserve.engine.vision_cache import VisionCache
 from vlmserve.frontend.async_engine import AsyncEngine
 from vlmserve.preprocess.prompt import PromptError
@@ -179,7 +179,7 @@ def test_image_prompts_admitted_together_share_one_vision_forward(family: Family
         runner.execute(SchedulerOutput(new=[NewRequest(r, p, GREEDY) for r, p in zip(ids, prompts)]))
         groups = runner.embedding_groups(ids) if grouped else [[r] for r in ids]
         for group in groups:  # the runner shares a vision forward among the prompts one plan encodes
-            assert not runner.execute(SchedulerOutput(encode=group)).errors
+            assert not runner.execute(SchedulerOutput(encode=[EncodeChunk(r) for r in group])).errors
         out = [runner.prompts[r].embedded for r in ids]
         runner.execute(SchedulerOutput(finished=ids))
         runner.caches.vision = kept

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmserve.engine.params import PromptInputs
+from vlmserve.engine.params import PromptInputs, pixel_count
 from vlmserve.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from vlmserve.engine.vision_cache import VisionCache, VisionCacheStats
 
@@ -33,11 +33,13 @@ class EngineCaches:
         if self.prefix is not None:
             self.prefix.store(tokens, cache)
 
-    def uncached_images(self, prompt: PromptInputs) -> int:
-        """How many of the prompt's images need the vision tower (all, where features are not kept per image)."""
+    def uncached_images(self, prompt: PromptInputs) -> tuple[int, int]:
+        """The prompt's images that need the vision tower, and their pixel values (what the tower's
+        time follows): all of them where features are not kept per image."""
         if self.vision is None or not prompt.images:
-            return prompt.num_images if prompt.has_images else 0
-        return sum(item.key not in self.vision for item in prompt.images)
+            return (prompt.num_images, pixel_count(prompt.arrays)) if prompt.has_images else (0, 0)
+        missing = [item for item in prompt.images if item.key not in self.vision]
+        return len(missing), sum(pixel_count(item.arrays) for item in missing)
 
     def stats(self) -> tuple[PrefixCacheStats | None, VisionCacheStats | None]:
         return (self.prefix.stats() if self.prefix is not None else None,

@@ -59,7 +59,8 @@ class Runner(Protocol):
 def scheduler_config(adapter: ModelAdapter, config: EngineConfig) -> SchedulerConfig:
     """The scheduler's view of one model: the engine's budgets and the adapter's layer facts."""
     return SchedulerConfig(config.max_batch_size, config.prefill_chunk, config.stream_prefill_chunk,
-                           config.encoder_budget, adapter.num_layers, adapter.layer_starts(), adapter.reuses_prefix)
+                           config.encoder_budget, adapter.num_layers, adapter.layer_starts(),
+                           adapter.num_vision_blocks, adapter.reuses_prefix)
 
 
 def new_request(loaded: LoadedModel, request_id: str, prompt: PromptInputs, params: SamplingParams) -> Request:
@@ -139,15 +140,27 @@ class EngineCore:
         self._drain_inbox()
         if self.config.stream_prefill_chunk is None:
             self.scheduler.stream_tokens = self.costs.stream_tokens()
+            self.scheduler.pixel_tokens = self.costs.pixel_tokens()
         plan = self.scheduler.schedule()
+        pixels = self._pixels_encoded(plan)
         output = self.runner.execute(plan)
         self._apply(plan, output, self.scheduler.update_from_output(plan, output))
+        self.costs.observe_vision(pixels, output.vision_seconds)
         if plan.decode:
             self.costs.observe(time.perf_counter() - start, self._prompt_work(plan), output.vision_seconds)
         # Counters first: whoever sees this step's outputs also sees the state they left behind.
         self._record(time.perf_counter() - start, not plan.empty)
         if self._pending or not plan.empty:
             self._publish()
+
+    def _pixels_encoded(self, plan: SchedulerOutput) -> float:
+        """The step's pixel values through the tower, each image's counted by the share of the blocks it ran."""
+        blocks, pixels = self.scheduler.config.vision_blocks, 0.0
+        for piece in plan.encode:
+            req = self.scheduler.get(piece.request_id)
+            share = 1.0 if piece.whole else ((piece.last_block or blocks) - piece.first_block) / blocks
+            pixels += share * (self.scheduler.encode_need(req)[1] if req is not None else 0)
+        return pixels
 
     def _prompt_work(self, plan: SchedulerOutput) -> float:
         """The step's prompt tokens, each counted by the share of the layers it ran through."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmserve.engine.params import PromptInputs, SamplingParams
-from vlmserve.engine.plan import NewRequest, PrefillChunk, SchedulerOutput
+from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, SchedulerOutput
 
 FLOOR_TOKENS = 16  # prompt tokens per step while requests decode, at least: every prompt moves on
 PROBE_TOKENS = 128  # the cost probe's prompt length: long enough that per-token cost dominates
@@ -31,20 +31,32 @@ class StepCosts:
     ceiling: int  # and at most (the idle budget)
     prompt_token_s: float = 0.0
     decode_step_s: float = 0.0
+    pixel_s: float = 0.0  # the vision tower's seconds per pixel value (running average)
 
     def observe(self, seconds: float, prompt_tokens: float, vision_s: float) -> None:
         """One step that decoded: what its decode took, once its prompt and vision work are taken off."""
         decode = seconds - prompt_tokens * self.prompt_token_s - vision_s
-        if decode <= 0:
-            return
-        self.decode_step_s = decode if not self.decode_step_s else (
-            (1 - _AVERAGE) * self.decode_step_s + _AVERAGE * decode)
+        if decode > 0:
+            self.decode_step_s = _average(self.decode_step_s, decode)
+
+    def observe_vision(self, pixels: float, vision_s: float) -> None:
+        """A step's vision work: per pixel value, as images of any size go through the tower."""
+        if pixels > 0 and vision_s > 0:
+            self.pixel_s = _average(self.pixel_s, vision_s / pixels)
+
+    def pixel_tokens(self) -> float:
+        """The tower's cost per pixel value, in prompt tokens' time: encodes come out of a step's budget."""
+        return self.pixel_s / self.prompt_token_s if self.prompt_token_s > 0 else 0.0
 
     def stream_tokens(self) -> int:
         """Prompt tokens per step while requests decode."""
         if self.prompt_token_s <= 0 or self.decode_step_s <= 0:
             return self.floor
         return int(min(self.ceiling, max(self.floor, self.share * self.decode_step_s / self.prompt_token_s)))
+
+
+def _average(mean: float, value: float) -> float:
+    return value if not mean else (1 - _AVERAGE) * mean + _AVERAGE * value
 
 
 def measure_costs(runner: Any, prompt: PromptInputs, decode_steps: int = 6) -> tuple[float, float]:
@@ -55,7 +67,7 @@ def measure_costs(runner: Any, prompt: PromptInputs, decode_steps: int = 6) -> t
     probe = "cost-probe"
     new = NewRequest(probe, PromptInputs(ids), SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True))
     try:
-        _checked(runner.execute(SchedulerOutput(new=[new], encode=[probe])))
+        _checked(runner.execute(SchedulerOutput(new=[new], encode=[EncodeChunk(probe)])))
         start = time.perf_counter()
         _checked(runner.execute(SchedulerOutput(prefill=[PrefillChunk(probe, 0, len(ids))])))
         prompt_token_s = (time.perf_counter() - start) / len(ids)

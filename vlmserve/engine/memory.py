@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmserve.engine.params import PromptInputs, SamplingParams
-from vlmserve.engine.plan import NewRequest, PrefillChunk, SchedulerOutput
+from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, SchedulerOutput
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,7 +57,7 @@ def measure_footprint(runner: Any, prompt: PromptInputs) -> KVFootprint:
     assert not runner.batch, "measure the footprint on an idle runner"
     try:
         out = runner.execute(SchedulerOutput(new=[NewRequest(probe, prompt, SamplingParams(max_tokens=1))],
-                                             encode=[probe]))
+                                             encode=[EncodeChunk(probe)]))
         if not out.errors:
             out = runner.execute(SchedulerOutput(prefill=[PrefillChunk(probe, 0, out.prompt_lengths[probe])]))
         if out.errors:

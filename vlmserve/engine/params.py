@@ -102,3 +102,11 @@ class PromptInputs:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+
+def pixel_count(arrays: dict[str, HostArray] | dict[str, np.ndarray]) -> int:
+    """How many pixel values a prompt's (or one image's) arrays hold: the vision tower's work."""
+    pixels = arrays.get("pixel_values")
+    if pixels is None:
+        return 0
+    return sum(a.size for a in pixels) if isinstance(pixels, tuple) else int(pixels.size)

@@ -43,6 +43,25 @@ class NewRequest:
 
 
 @dataclass(slots=True, frozen=True)
+class EncodeChunk:
+    """Embed one prompt: its images through the vision tower, then the merge into its embeddings.
+    One image may go a few of the tower's blocks per step, ``[first_block, last_block)``; the
+    piece that reaches the last block also merges."""
+
+    request_id: str
+    first_block: int = 0
+    last_block: int | None = None  # None: through the last block, then the merge
+
+    @property
+    def final(self) -> bool:
+        return self.last_block is None
+
+    @property
+    def whole(self) -> bool:
+        return self.first_block == 0 and self.last_block is None
+
+
+@dataclass(slots=True, frozen=True)
 class PrefillChunk:
     """Prompt positions ``[start, end)`` of one request through the language model's layers
     ``[first_layer, last_layer)``. A prompt split by tokens runs every layer per chunk; one that
@@ -71,7 +90,7 @@ class SchedulerOutput:
     forget -> enter -> encode -> decode -> prefill."""
 
     new: list[NewRequest] = field(default_factory=list)
-    encode: list[str] = field(default_factory=list)  # embed: vision tower (or the vision cache) and merge
+    encode: list[EncodeChunk] = field(default_factory=list)  # vision tower (or the vision cache) and merge
     decode: list[str] = field(default_factory=list)  # one token each
     prefill: list[PrefillChunk] = field(default_factory=list)
     # Whole prompts that share one left-padded forward (two or more each); other chunks run alone.
@@ -81,6 +100,10 @@ class SchedulerOutput:
     @property
     def empty(self) -> bool:
         return not (self.encode or self.decode or self.prefill)
+
+    @property
+    def encode_ids(self) -> list[str]:
+        return [c.request_id for c in self.encode]
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -110,6 +110,7 @@ class Request:
     # prompt has been through (0 when none, or when it goes by tokens).
     num_computed_layers: int = 0
     encoded: bool = False  # its embedding (vision tower and merge) is made and waits in the runner
+    num_encoded_blocks: int = 0  # its image split by vision tower blocks: the blocks done so far
     chunkable: bool = True  # may its prompt be prefilled over several steps by tokens (the model adapter says)
     batchable: bool = True  # may its whole prompt share a left-padded forward with others (the adapter says)
     # Positions the prompt fills: its token count, unless the model's embedding says otherwise

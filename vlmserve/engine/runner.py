@@ -26,8 +26,9 @@ from vlmserve.engine.batch import DecodeBatch
 from vlmserve.engine.caches import EngineCaches
 from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.models import Embedded
+from vlmserve.engine.models.base import tapped
 from vlmserve.engine.params import HostArray, ImageItem, PromptInputs, SamplingParams
-from vlmserve.engine.plan import NewRequest, PrefillChunk, RunnerOutput, Sample, SchedulerOutput
+from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, RunnerOutput, Sample, SchedulerOutput
 from vlmserve.engine.sampler import RowState, sample
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class PromptRow:
     cache: list[Any]
     embedded: Embedded | None = None  # after ``encode``; freed once the prompt is in the cache
     hidden: mx.array | None = None  # split by layers: the hidden state after the layers done so far
+    vision_hidden: mx.array | None = None  # its image split by tower blocks: the state after those done
 
 
 class ModelRunner:
@@ -64,8 +66,12 @@ class ModelRunner:
         self.remove(plan.finished)
         for new in plan.new:
             self._guarded(out, [new.request_id], self._enter, new)
-        for group in self.embedding_groups([r for r in plan.encode if r not in out.errors]):
+        whole = [c.request_id for c in plan.encode if c.whole and c.request_id not in out.errors]
+        for group in self.embedding_groups(whole):
             self._guarded(out, group, self._encode, group, out)
+        for piece in plan.encode:
+            if not piece.whole and piece.request_id not in out.errors:
+                self._guarded(out, [piece.request_id], self._encode_piece, piece, out)
         if plan.decode:
             self._guarded(out, plan.decode, lambda: out.samples.update(self.decode(out.errors)))
         grouped = {r for g in plan.prefill_groups for r in g}
@@ -124,6 +130,33 @@ class ModelRunner:
         if rows[0].prompt.has_images:
             out.vision_seconds += time.perf_counter() - start
             out.vision_batches += len(rows) > 1
+
+    def _encode_piece(self, piece: EncodeChunk, out: RunnerOutput) -> None:
+        """Blocks ``[first, last)`` of the vision tower for the prompt's one image to encode; the piece
+        through the last block also merges, exactly as ``_encode`` (the tower's own forward runs)."""
+        row = self.prompts[piece.request_id]
+        blocks = self.adapter.vision_blocks()
+        assert blocks is not None
+        last = piece.last_block if piece.last_block is not None else self.adapter.num_vision_blocks
+        start = time.perf_counter()
+        with tapped(*blocks, piece.first_block, last, row.vision_hidden) as tap:
+            if piece.final:
+                self._encode([piece.request_id], out)
+                row.vision_hidden = None
+                return
+            self._tower(row)  # lazily: only the piece's blocks run, for the tap
+        mx.eval(tap.output)
+        row.vision_hidden = tap.output
+        out.vision_seconds += time.perf_counter() - start
+
+    def _tower(self, row: PromptRow) -> object:
+        """The graph of the vision forward ``_encode`` would run for this prompt's one uncached image."""
+        if self._caches(row.prompt):
+            vision = self.caches.vision
+            assert vision is not None
+            (item,) = [i for i in row.prompt.images if i.key not in vision]
+            return self.adapter.encode_image(on_device(item.arrays))
+        return self.adapter.embed(row.input_ids, on_device(row.prompt.arrays)).inputs_embeds
 
     def _caches(self, prompt: PromptInputs) -> bool:
         return self.caches.vision is not None and bool(prompt.images)

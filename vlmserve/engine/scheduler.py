@@ -15,13 +15,14 @@ holds them, so a new request starts within one step.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vlmserve.engine.memory import KVBudget
-from vlmserve.engine.params import PromptInputs
-from vlmserve.engine.plan import NewRequest, PrefillChunk, RunnerOutput, SchedulerOutput
+from vlmserve.engine.params import PromptInputs, pixel_count
+from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, RunnerOutput, SchedulerOutput
 from vlmserve.engine.request import Request, RequestStatus
 
 
@@ -35,6 +36,7 @@ class SchedulerConfig:
     encoder_budget: int = 1
     num_layers: int = 1  # the language model's; a prompt split by layers runs a share of them per step
     layer_starts: tuple[int, ...] | None = None  # where a layer piece may start; None: at any layer
+    vision_blocks: int = 0  # the vision tower's blocks, where one image may go a few a step (0: whole)
     reuses_prefix: bool = True  # may a cached text prefix's KV serve a longer prompt (the adapter says)
 
 
@@ -46,7 +48,7 @@ class CacheBook(Protocol):
 
     def lookup_prefix(self, tokens: list[int]) -> tuple[Any, int]: ...
 
-    def uncached_images(self, prompt: PromptInputs) -> int: ...
+    def uncached_images(self, prompt: PromptInputs) -> tuple[int, int]: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,6 +82,7 @@ class Scheduler:
         self.running: list[Request] = []  # admitted: encoding, prefilling or decoding, in admission order
         self._finished: list[str] = []  # ended since the last plan: the runner frees them next step
         self.stream_tokens = config.stream_prefill_chunk or config.prefill_chunk
+        self.pixel_tokens = 0.0  # what the tower costs per pixel value, in prompt tokens' time (measured)
 
     def add(self, req: Request) -> None:
         assert req.status is RequestStatus.WAITING
@@ -109,15 +112,17 @@ class Scheduler:
     # -- planning -------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Admit, then plan the step: forget, enter, encode, decode, prefill."""
+        """Admit, then plan the step: text prompts embed and prefill at once; prompts already embedded
+        prefill in admission order; image prompts encode with what is left. While requests decode,
+        all of it fits one budget, so the step stays short; otherwise it is as big as ``prefill_chunk``."""
         out = SchedulerOutput(finished=self.take_finished())
         out.new = [self._enter(r) for r in self._admit()]
         out.decode = [r.request_id for r in self.running if r.encoded and r.prefill_done]
-        # Bounded steps while requests decode: nobody's stream freezes. Otherwise, all at once.
-        tokens = min(self.stream_tokens, self.config.prefill_chunk) if out.decode else self.config.prefill_chunk
-        out.encode = self._plan_encode(self.config.encoder_budget if out.decode else None)
-        ready = set(out.encode) - {r.request_id for r in self.running if r.num_images}  # text: same step
+        busy = bool(out.decode)
+        text = [EncodeChunk(r.request_id) for r in self.running if not r.encoded and not r.num_images]
+        tokens = min(self.stream_tokens, self.config.prefill_chunk) if busy else self.config.prefill_chunk
         budgets = _Budgets(tokens, any(r.num_computed_layers for r in self.running))
+        ready = {c.request_id for c in text}
         for req in self.running:
             if req.prefill_done or not (req.encoded or req.request_id in ready):
                 continue
@@ -127,7 +132,9 @@ class Scheduler:
             budgets.prefill.append(chunk)
             if budgets.tokens <= 0:
                 break
-        out.prefill = budgets.prefill
+        images = self._plan_encode(self.config.encoder_budget, budgets.tokens, bool(budgets.prefill)) if busy \
+            else self._plan_encode(None, None, False)
+        out.encode, out.prefill = text + images, budgets.prefill
         out.prefill_groups = self._groups(out.prefill)
         return out
 
@@ -155,27 +162,52 @@ class Scheduler:
         enabled = self.caches is not None and self.caches.prefix_enabled
         return enabled and self.config.reuses_prefix and not req.prompt.has_images
 
-    def _plan_encode(self, budget: int | None) -> list[str]:
-        """Requests to embed this step, in admission order: text prompts at once, image prompts while
-        ``budget`` images last (None: no limit; the first always goes); cached images cost nothing."""
-        planned: list[str] = []
-        images, spent, blocked = budget, False, False
+    def _plan_encode(self, budget: int | None, tokens: int | None, others: bool) -> list[EncodeChunk]:
+        """Image prompts to embed this step, in admission order: while ``budget`` images and ``tokens``
+        (their time, in prompt tokens) last, or all of them when both are None. The step's first work
+        always goes, whatever it costs; one image may go a few tower blocks a step where the family
+        allows it. Cached images cost nothing."""
+        planned: list[EncodeChunk] = []
         for req in self.running:
-            if req.encoded:
+            if req.encoded or not req.num_images:
                 continue
-            cost = self._encode_cost(req)
-            if cost and images is not None and (blocked or (spent and cost > images)):
-                blocked = True  # nobody overtakes it but prompts that cost no encoding
+            if budget is None or tokens is None:
+                planned.append(EncodeChunk(req.request_id))
                 continue
-            planned.append(req.request_id)
-            images = None if images is None else images - cost
-            spent = spent or cost > 0
+            images, pixels = self.encode_need(req)
+            first = not (planned or others)
+            chunk = self._encode_chunk(req, images, pixels, tokens if not first else max(tokens, 1))
+            spent = self._chunk_cost(chunk, pixels)
+            if images and not first and (images > budget or spent > tokens):
+                break  # nobody overtakes it
+            planned.append(chunk)
+            budget, tokens = (budget - images, tokens - spent) if chunk.whole else (0, 0)
         return planned
 
-    def _encode_cost(self, req: Request) -> int:
+    def _encode_chunk(self, req: Request, images: int, pixels: int, tokens: int) -> EncodeChunk:
+        """A whole encode, or the next tower blocks of a prompt's one uncached image that ``tokens`` pay for."""
+        blocks = self.config.vision_blocks
+        if images != 1 or blocks < 2:
+            return EncodeChunk(req.request_id)
+        first = req.num_encoded_blocks
+        cost = pixels * self.pixel_tokens
+        pays = int(max(tokens, 0) * blocks // cost) if cost > 0 else 1  # unmeasured: a block a step
+        last = min(blocks, first + max(1, pays))
+        return EncodeChunk(req.request_id, first, None if last >= blocks else last)
+
+    def _chunk_cost(self, chunk: EncodeChunk, pixels: int) -> int:
+        """An encode's time in prompt tokens: its pixels' share of the blocks it runs."""
+        blocks = max(self.config.vision_blocks, 1)
+        share = 1.0 if chunk.whole else ((chunk.last_block or blocks) - chunk.first_block) / blocks
+        return math.ceil(pixels * self.pixel_tokens * share)
+
+    def encode_need(self, req: Request) -> tuple[int, int]:
+        """Images of ``req`` that need the tower, and their pixel values."""
         if not req.num_images:
-            return 0
-        return self.caches.uncached_images(req.prompt) if self.caches is not None else req.num_images
+            return 0, 0
+        if self.caches is not None:
+            return self.caches.uncached_images(req.prompt)
+        return req.num_images, pixel_count(req.prompt.arrays)
 
     def _chunk(self, req: Request, budgets: _Budgets) -> PrefillChunk | None:
         """What of ``req``'s prompt runs this step within what is left of the token budget."""
@@ -232,17 +264,17 @@ class Scheduler:
     def update_from_output(self, plan: SchedulerOutput, output: RunnerOutput) -> list[RequestUpdate]:
         """Apply one step: embeddings made, prompt progress, each sampled token, failures."""
         updates = []
-        for request_id in plan.encode:
-            req = self._running(request_id)
-            if req is not None and request_id not in output.errors:
-                req.encoded = True
-                req.num_prompt_tokens = output.prompt_lengths.get(request_id, req.num_prompt_tokens)
+        for piece in plan.encode:
+            req = self._running(piece.request_id)
+            if req is not None and piece.request_id not in output.errors:
+                req.encoded, req.num_encoded_blocks = piece.final, piece.last_block or 0
+                req.num_prompt_tokens = output.prompt_lengths.get(piece.request_id, req.num_prompt_tokens)
         for chunk in plan.prefill:
             req = self._running(chunk.request_id)
             if req is not None and chunk.request_id not in output.errors:
                 req.num_computed_layers = 0 if chunk.final else chunk.last_layer or 0
                 req.num_computed_tokens = chunk.end if chunk.final else req.num_computed_tokens
-        touched = [*plan.encode, *plan.decode, *(c.request_id for c in plan.prefill)]
+        touched = [*plan.encode_ids, *plan.decode, *(c.request_id for c in plan.prefill)]
         for request_id in dict.fromkeys(touched):
             req = self._running(request_id)
             if req is None:

@@ -8,6 +8,8 @@ tool-call format the family speaks when its chat template does not say.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -177,19 +179,22 @@ class ModelAdapter:
         layers = text_model.layers
         scratch = self.make_cache()
         caches = [cache[i] if first <= i < last else scratch[i] for i in range(len(layers))]
-        assert (hidden is not None) == (first > 0)
-        exit_tap = _LayerTap(layers[last - 1], hidden if first == last - 1 else None, capture=True)
-        taps = list(layers)
-        taps[last - 1] = exit_tap
-        if first < last - 1 and hidden is not None:
-            taps[first] = _LayerTap(layers[first], hidden, capture=False)
-        text_model.layers = taps
-        try:
+        with tapped(text_model, "layers", first, last, hidden) as exit_tap:
             logits = self.prefill(input_ids, embedded, 0, input_ids.shape[1], caches)
-        finally:
-            text_model.layers = layers
         assert exit_tap.output is not None
         return logits, exit_tap.output
+
+    def vision_blocks(self) -> tuple[Any, str] | None:
+        """The vision tower's block list, as (its owner, the attribute), where one image may be encoded
+        a few blocks a step (the same tap as ``prefill_layers``); None where the tower is not split:
+        a family whose merge reads blocks' outputs other than the last (DeepStack, LLaVA's
+        ``vision_feature_layer``) would read blocks a piece never evaluated."""
+        return None
+
+    @property
+    def num_vision_blocks(self) -> int:
+        blocks = self.vision_blocks()
+        return len(getattr(blocks[0], blocks[1])) if blocks is not None else 0
 
     def _forward_columns(self, ids: mx.array, embeds: mx.array, kwargs: dict[str, Any], cache: list[Any],
                          start: int, end: int) -> mx.array:
@@ -212,6 +217,26 @@ def _stack_rows(values: list[mx.array], lengths: list[int], longest: int) -> mx.
     if all(v.ndim == 2 and v.shape == (1, n) for v, n in zip(values, lengths)):
         return mx.concatenate([mx.pad(v, [(0, 0), (longest - v.shape[1], 0)]) for v in values])
     return mx.concatenate(values)
+
+
+@contextmanager
+def tapped(owner: Any, attr: str, first: int, last: int, hidden: mx.array | None) -> Iterator[_LayerTap]:
+    """While open, the blocks ``owner.<attr>[first:last]`` run as one piece of a forward: block
+    ``first`` takes ``hidden`` (the state after block ``first - 1``) instead of its input, and the
+    yielded tap keeps block ``last - 1``'s output. Blocks outside the piece still build their part
+    of MLX's lazy graph, but nothing evaluated depends on it, so it never runs."""
+    blocks = getattr(owner, attr)
+    assert (hidden is not None) == (first > 0) and 0 <= first < last <= len(blocks)
+    exit_tap = _LayerTap(blocks[last - 1], hidden if first == last - 1 else None, capture=True)
+    taps = list(blocks)
+    taps[last - 1] = exit_tap
+    if first < last - 1 and hidden is not None:
+        taps[first] = _LayerTap(blocks[first], hidden, capture=False)
+    setattr(owner, attr, taps)
+    try:
+        yield exit_tap
+    finally:
+        setattr(owner, attr, blocks)
 
 
 class _LayerTap:

@@ -50,6 +50,9 @@ class Gemma4Adapter(ModelAdapter):
     def join_features(self, features: list[mx.array]) -> mx.array:
         return mx.concatenate(features, axis=1)  # scattered in order over the image tokens
 
+    def vision_blocks(self) -> tuple[Any, str] | None:
+        return self.model.vision_tower.encoder, "layers"
+
     def layer_starts(self) -> tuple[int, ...] | None:
         # Shared-KV layers (E2B/E4B) read their source layer's KV within one forward: a piece may
         # start no later than the first source, so every reader runs with what it reads.

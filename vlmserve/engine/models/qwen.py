@@ -28,6 +28,12 @@ class MRoPEAdapter(ModelAdapter):
         out = tower(arrays["pixel_values"].astype(tower.patch_embed.proj.weight.dtype), arrays["image_grid_thw"])
         return out[0] if isinstance(out, tuple) else out  # Qwen3.5's tower also returns its DeepStack list
 
+    def vision_blocks(self) -> tuple[Any, str] | None:
+        tower = self.model.vision_tower
+        if getattr(tower, "deepstack_visual_indexes", None):
+            return None  # Qwen3-VL's DeepStack reads blocks before the last (Qwen3.5 turns it off)
+        return tower, "blocks"
+
     def row_state(self, features: dict[str, Any]) -> dict[str, mx.array]:
         deltas = features.get("rope_deltas")
         if deltas is None:  # a prompt whose positions are plain token counts
