@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmserve.config import DEFAULT_DTYPE, DEFAULT_PROMPT, DTYPES, CaptionConfig, resolve_model
+from vlmserve.config import DEFAULT_DTYPE, DEFAULT_PROMPT, DTYPES, CaptionConfig, resolve_model, usage_error
 from vlmserve.testing.build import ARCHS, SIZES
 from vlmserve.tools.registry import ALIASES, PARSERS
 
@@ -20,7 +20,6 @@ TOOL_PARSERS = (*PARSERS, *ALIASES)
 DTYPE_HELP = ("float weights as served: auto (float32 on a Linux CPU with OpenBLAS, where it is fastest; "
               "else as stored), model (as stored) or one dtype")
 
-EXIT_USAGE = 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--force", action="store_true", help="rebuild even when the model exists")
     build.set_defaults(func=_build_command)
 
-    from vlmserve.testing.demo import add_cli
+    from vlmserve.testing.demo.commands import add_cli  # its own module: the package needs not import it
 
     add_cli(sub)  # train-demo, eval-demo
     for command in sub.choices.values():  # the same formatter, and --log-level after the command too
@@ -172,11 +171,6 @@ def _caption_command(args: argparse.Namespace) -> int:
         return usage_error("--temperature must be >= 0")
     config = CaptionConfig(args.image, args.model, args.prompt, args.max_tokens, args.temperature, args.seed, args.dtype)
     return caption(config)
-
-
-def usage_error(message: str) -> int:
-    print(f"vlmserve: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
 
 
 # -- caption ----------------------------------------------------------------------

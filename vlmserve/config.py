@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -15,6 +16,13 @@ DEFAULT_PROMPT = "Describe this image."
 # model (as stored), or one dtype. See vlmserve.engine.loader.serving_dtype.
 DTYPES = ("auto", "model", "float32", "bfloat16", "float16")
 DEFAULT_DTYPE = "auto"
+EXIT_USAGE = 2  # the exit status of a command line that cannot run, as argparse's
+
+
+def usage_error(message: str) -> int:
+    """Say what is wrong with the command line, in one line; returns the exit status."""
+    print(f"vlmserve: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 @dataclass(slots=True, frozen=True)

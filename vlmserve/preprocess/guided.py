@@ -17,44 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmserve.engine.params import Guide
+from vlmserve.preprocess.json_schema import tidy_json
+from vlmserve.preprocess.tool_grammar import marker, tool_call_lark
 
 CACHED_GRAMMARS = 64
-
-
-def tidy_json(schema: Any) -> Any:
-    """The schema as it is enforced: written as models write JSON (``", "`` and ``": "``) with no
-    other whitespace, and, as vLLM's xgrammar strict mode does, objects that declare properties take
-    no others unless the schema allows them. A model can wander into neither endless blank space nor
-    keys of its own."""
-    if not isinstance(schema, dict):
-        return schema
-    style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    closed = _closed(schema)
-    return {**closed, "x-guidance": {**style, **schema.get("x-guidance", {})}}
-
-
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
-_SUBSCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
-
-
-def _closed(schema: Any) -> Any:
-    """Every object with declared properties, at any depth, closed unless it says otherwise."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
-    for key in _SUBSCHEMAS:
-        if isinstance(out.get(key), dict):
-            out[key] = _closed(out[key])
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_closed(sub) for sub in out[key]]
-    if "properties" in schema and "additionalProperties" not in schema:
-        out["additionalProperties"] = False
-    return out
 
 
 class GuideError(ValueError):
@@ -114,13 +80,11 @@ class GuideCompiler:
         if spec.kind == "regex" and not self._after_thinking:
             return LLMatcher.grammar_from_regex(spec.value)
         if spec.kind == "tool_call":
-            from vlmserve.preprocess.tool_grammar import tool_call_lark
 
             lark = tool_call_lark(spec.value["format"], spec.value["tools"], self._tokenizer)
         else:
             lark = "start: answer\nanswer: " + self._body(spec)
         if self._after_thinking:
-            from vlmserve.preprocess.tool_grammar import marker
 
             lark = lark.replace("start:", f'start: {marker(self._tokenizer, "</think>")} "\\n\\n" body\nbody:', 1)
         return LLMatcher.grammar_from_lark(lark)

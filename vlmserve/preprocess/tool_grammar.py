@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from vlmserve.preprocess.json_schema import tidy_json
 from vlmserve.tools import gemma4, hermes, mistral
 from vlmserve.tools.registry import ALIASES
 
@@ -60,8 +61,6 @@ class _Markers:
 
 
 def _schema(function: dict[str, Any]) -> str:
-    from vlmserve.preprocess.guided import tidy_json
-
     return json.dumps(tidy_json(function.get("parameters") or {"type": "object"}))
 
 

@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.config import DEMO_MODEL_DIR, default_model_path
-from vlmserve.testing.demo.commands import add_cli
 from vlmserve.testing.demo.evaluate import DEFAULT_EVAL_N
 
-__all__ = ["DEMO_MODEL_DIR", "add_cli", "demo_model_path", "evaluate_demo", "train_demo"]
+__all__ = ["DEMO_MODEL_DIR", "demo_model_path", "evaluate_demo", "train_demo"]
 
 
 def demo_model_path() -> Path:

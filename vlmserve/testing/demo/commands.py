@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from vlmserve.cli import usage_error
+from vlmserve.config import usage_error
 from vlmserve.testing.demo.evaluate import DEFAULT_EVAL_N
 
 
