@@ -47,6 +47,17 @@ def test_ruff_is_clean() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+TYPED = ("vlmserve/engine", "vlmserve/frontend", "vlmserve/api", "vlmserve/tools")  # mypy --strict (pyproject.toml)
+
+
+def test_mypy_is_clean() -> None:
+    mypy = shutil.which("mypy") or str(Path(sys.executable).parent / "mypy")
+    if not Path(mypy).exists():
+        pytest.skip("mypy is not installed (pip install -e '.[test]' installs it)")
+    result = subprocess.run([mypy, *TYPED], cwd=PACKAGE.parent, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

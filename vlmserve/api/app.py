@@ -141,7 +141,8 @@ class BodyLimit:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
+            return
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await self._reject(self._too_large(), scope, receive, send)
@@ -149,7 +150,7 @@ class BodyLimit:
 
         async def checking_receive() -> dict[str, Any]:
             nonlocal received, rejected
-            message = await receive()
+            message: dict[str, Any] = await receive()
             body = message.get("body", b"")
             received += len(body)
             error = self._too_large() if received > self.max_bytes else _not_utf8() if b"\x00" in body else None

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from vlmserve.frontend.async_engine import (
     EngineNotReadyError,
     EngineOverloadedError,
     OverBudgetError,
+    PromptFactory,
     PromptTooLongError,
 )
 from vlmserve.frontend.output import RequestOutput
@@ -36,7 +37,7 @@ from vlmserve.preprocess.prompt import PromptBuilder, PromptError
 log = logging.getLogger("vlmserve.requests")
 
 
-def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str):  # noqa: ANN201 - PromptFactory
+def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str) -> PromptFactory:
     """Phase 1 for the pool: fetch and decode the images, then template and tokenize."""
 
     def make(prompter: PromptBuilder) -> PromptInputs:
@@ -94,7 +95,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def open_call(req: ChatCompletionRequest, http: Request, state: ServerState,
-                    request_id: str) -> tuple[Call, RequestOutput, AsyncIterator[RequestOutput]] | None:
+                    request_id: str) -> tuple[Call, RequestOutput, AsyncGenerator[RequestOutput, None]] | None:
     """Submit a chat request and wait for its first output (so that errors are still statuses);
     None when the client went away first (the request is aborted)."""
     if state.draining:
@@ -120,7 +121,7 @@ async def open_call(req: ChatCompletionRequest, http: Request, state: ServerStat
     return None if first is GONE else (call, first, stream)
 
 
-async def _first_output(stream: AsyncIterator[RequestOutput], call: Call) -> RequestOutput:
+async def _first_output(stream: AsyncGenerator[RequestOutput, None], call: Call) -> RequestOutput:
     """Wait for the first output so that anything before a token can still be a proper status code."""
     try:
         first = await stream.__anext__()
@@ -151,12 +152,12 @@ def engine_fault(request_id: str, message: str | None) -> APIError:
     return APIError(500, f"request {request_id} failed in the engine: {message}", "server_error", None, "engine_error")
 
 
-async def _complete(call: Call, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> JSONResponse:
+async def _complete(call: Call, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]) -> JSONResponse:
     await run_to_end(call, first, stream)
     return JSONResponse(call.builder.response(call.finish, bool(call.req.logprobs)))
 
 
-async def run_to_end(call: Call, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def run_to_end(call: Call, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
     """Every output through the call's builder; sets ``call.finish`` and logs the request."""
     try:
         out = first
@@ -177,7 +178,7 @@ async def run_to_end(call: Call, first: RequestOutput, stream: AsyncIterator[Req
 GONE = object()  # the client disconnected
 
 
-async def until_done_or_disconnect(http: Request, work, stream: AsyncIterator[RequestOutput]) -> Any:  # noqa: ANN001
+async def until_done_or_disconnect(http: Request, work: Awaitable[Any], stream: AsyncGenerator[RequestOutput, None]) -> Any:
     """Await ``work`` unless the client goes away first: then cancel it and abort the request."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(http))
@@ -198,7 +199,7 @@ async def _disconnected(http: Request) -> None:
         pass
 
 
-async def _sse(call: Call, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+async def _sse(call: Call, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[str]:
     b = call.builder
     status = "disconnected"
     try:

@@ -39,7 +39,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     """Pydantic's first complaint, said precisely: which field and why."""
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
     if first.get("type") == "json_invalid":
-        reason = str(first.get("ctx", {}).get("error", first.get("msg")))
+        ctx = first.get("ctx")
+        reason = str(ctx.get("error", first.get("msg")) if isinstance(ctx, dict) else first.get("msg"))
         if "recursion limit" in reason:  # pydantic's parser stops near 200 levels
             return bad_request(f"request body nests too deep to parse ({reason})", None, "json_too_deep")
         return bad_request(f"request body is not valid JSON: {reason}", None, "invalid_json")

@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-disable_created_metrics()  # no ``*_created`` series: dashboards never read them
+disable_created_metrics()  # type: ignore[no-untyped-call]  # no ``*_created`` series: dashboards never read them
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
@@ -61,7 +61,7 @@ class _EngineCollector:
     def __init__(self, engines: Callable[[], list[tuple[str, Any]]]) -> None:
         self._engines = engines
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         ours = {k: GaugeMetricFamily(n, h, labels=["model"]) for k, (n, _, h) in _GAUGES.items()}
         vllm = {k: GaugeMetricFamily(v, h, labels=["model_name"]) for k, (_, v, h) in _GAUGES.items() if v}
         counters = {k: CounterMetricFamily(n, h, labels=["model"]) for k, (n, h) in _COUNTERS.items()}
@@ -126,6 +126,8 @@ class _pair:  # noqa: N801 - reads as a metric
     def __init__(self, name: str, help: str, buckets: tuple[float, ...] | None, registry: CollectorRegistry,
                  vllm_name: str | None = None) -> None:
         vllm = f"vllm:{vllm_name or name}"
+        self.ours: Counter | Histogram
+        self.theirs: Counter | Histogram
         if buckets is None:
             self.ours = Counter(f"vlmserve_{name}", help, ["model"], registry=registry)
             self.theirs = Counter(vllm, help, ["model_name"], registry=registry)
@@ -134,9 +136,11 @@ class _pair:  # noqa: N801 - reads as a metric
             self.theirs = Histogram(vllm, help, ["model_name"], buckets=buckets, registry=registry)
 
     def observe(self, model: str, value: float) -> None:
+        assert isinstance(self.ours, Histogram) and isinstance(self.theirs, Histogram)
         self.ours.labels(model).observe(value)
         self.theirs.labels(model).observe(value)
 
     def inc(self, model: str, value: float) -> None:
+        assert isinstance(self.ours, Counter) and isinstance(self.theirs, Counter)
         self.ours.labels(model).inc(value)
         self.theirs.labels(model).inc(value)

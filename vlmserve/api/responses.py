@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -132,6 +132,7 @@ class _Events:
         s = self.shape
         events = [] if self.open and self.open["kind"] == kind else self.start(
             kind, s.message(None, "in_progress") if kind == "message" else s.reasoning("", "in_progress"))
+        assert self.open is not None
         self.open["text"] += delta
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         events.append(self.event(name, item_id=self.open["item"]["id"], output_index=self.open["index"],
@@ -169,11 +170,12 @@ class _Events:
         return events
 
     def _part(self, kind: str, part: dict[str, Any]) -> str:
+        assert self.open is not None
         return self.event(kind, item_id=self.open["item"]["id"], output_index=self.open["index"], content_index=0,
                           part=part)
 
 
-async def _events(call: Call, first: RequestOutput, stream: AsyncIterator[RequestOutput], shape: _Shape) -> AsyncIterator[str]:
+async def _events(call: Call, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None], shape: _Shape) -> AsyncIterator[str]:
     ev, b, status = _Events(shape), call.builder, "disconnected"
     try:
         yield ev.event("response.created", response=shape.response(None, "in_progress", []))

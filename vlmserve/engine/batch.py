@@ -16,7 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from vlmserve.engine.sampler import RowState, Sample, SampledBatch
+from vlmserve.engine.plan import Sample
+from vlmserve.engine.sampler import RowState, SampledBatch
 
 
 @dataclass(slots=True)

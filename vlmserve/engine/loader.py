@@ -100,7 +100,8 @@ def serving_dtype(requested: str, model: nn.Module) -> mx.Dtype | None:
         return None
     if requested == "auto":
         return mx.float32 if not mx.metal.is_available() and openblas_preloaded() else None
-    return getattr(mx, requested)
+    dtype: mx.Dtype = getattr(mx, requested)
+    return dtype
 
 
 def _cast_floats(model: nn.Module, dtype: mx.Dtype | None) -> None:
@@ -169,7 +170,7 @@ def default_kv_budget() -> int:
     """The KV budget when none is configured: on Metal 80% of the recommended working set, else
     half the physical memory, less what is allocated already (the weights); at least 256 MiB."""
     if mx.metal.is_available():
-        total = int(0.8 * mx.device_info()["max_recommended_working_set_size"])
+        total = int(0.8 * int(mx.device_info()["max_recommended_working_set_size"]))
     else:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
     return max(256 << 20, total - mx.get_active_memory())
@@ -184,4 +185,4 @@ def configure_process() -> None:
         _process_configured = True
         if mx.metal.is_available():
             # Keep weights wired on Apple Silicon, as mlx-lm's server does.
-            mx.set_wired_limit(mx.device_info()["max_recommended_working_set_size"])
+            mx.set_wired_limit(int(mx.device_info()["max_recommended_working_set_size"]))

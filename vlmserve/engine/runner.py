@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -108,7 +108,7 @@ class ModelRunner:
             prompt = self.prompts[request_id].prompt
             pixels = prompt.arrays.get("pixel_values")
             batched = isinstance(pixels, np.ndarray) and self.adapter.batch_embed and not self._caches(prompt)
-            key = ("images", pixels.shape[1:]) if batched and pixels is not None else request_id
+            key = ("images", pixels.shape[1:]) if batched and isinstance(pixels, np.ndarray) else request_id
             groups.setdefault(key, []).append(request_id)
         return list(groups.values())
 
@@ -257,11 +257,11 @@ class ModelRunner:
         batch = self.batch
         assert batch.cache is not None and batch.tokens is not None
         if guided.guided(batch.sampling):  # the grammars need this step's inputs now: no pipelining
-            refused = guided.consume(batch.sampling, batch.tokens.tolist())
+            refused = guided.consume(batch.sampling, cast(list[int], batch.tokens.tolist()))
             errors.update({batch.request_ids[i]: why for i, why in refused.items()})
         logits = self.adapter.decode(batch.tokens[:, None], batch.cache, batch.row_state)
         step = sample(logits, batch.sampling, batch.tokens, guided.allowed(batch.sampling, logits.shape[-1]))
-        mx.async_eval(*step.arrays())
+        mx.async_eval(*step.arrays())  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
         return batch.advance(step)
 
     def remove(self, request_ids: Iterable[str]) -> None:
@@ -272,6 +272,6 @@ class ModelRunner:
         self.batch.remove(ids)
 
 
-def on_device(arrays: dict[str, HostArray]) -> dict[str, Any]:
+def on_device(arrays: Mapping[str, HostArray]) -> dict[str, Any]:
     """Phase 1's numpy arrays as ``mx.array``s (a tuple, one array per image, as a list of them)."""
     return {k: [mx.array(a) for a in v] if isinstance(v, tuple) else mx.array(v) for k, v in arrays.items()}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -49,7 +49,7 @@ class SampledBatch:
     logprobs: mx.array | None = None  # [B] the chosen tokens' logprobs
     top_ids: mx.array | None = None  # [B, K]
     top_logprobs: mx.array | None = None  # [B, K]
-    _values: list[list] | None = None
+    _values: list[list[Any]] | None = None
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs) if a is not None]
@@ -57,8 +57,8 @@ class SampledBatch:
     def read(self, row: int) -> Sample:
         """Row ``row``'s sample; the first read evaluates (and waits for) the whole step."""
         if self._values is None:
-            self._values = [a.tolist() for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs)
-                            if a is not None]
+            arrays = (self.tokens, self.logprobs, self.top_ids, self.top_logprobs)
+            self._values = [cast(list[Any], a.tolist()) for a in arrays if a is not None]
         token = self._values[0][row]
         want = self.wants_logprobs[row]
         if not want:

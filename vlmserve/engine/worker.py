@@ -44,7 +44,7 @@ class _Task:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    future: Future = field(default_factory=Future)
+    future: Future[Any] = field(default_factory=Future)
 
 
 _WAKE = object()

@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -186,12 +186,12 @@ class AsyncEngine:
     # -- requests ------------------------------------------------------------------------
 
     def generate_chat(self, request_id: str, messages: Sequence[dict[str, Any]], images: Sequence[Image.Image],
-                      tools: Sequence[dict[str, Any]] | None, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                      tools: Sequence[dict[str, Any]] | None, params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Chat messages (images as ``{"type": "image"}`` parts) -> a stream of outputs."""
         return self.generate(request_id, lambda p: p.build(messages, images, tools, request_id=request_id), params)
 
     async def generate(self, request_id: str, prompt: PromptInputs | PromptFactory,
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs for one request; cancelling the consumer aborts the request."""
         self._admit(request_id)
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
@@ -199,11 +199,10 @@ class AsyncEngine:
         submitted = engine_done = False
         try:
             prompt = await self._phase1(prompt)
-            self._check_fits(prompt, params)
-            self._check_alive()
-            self.core.post(AddRequest(request_id, prompt, params))
+            loaded = self._check_fits(prompt, params)
+            self._check_alive().post(AddRequest(request_id, prompt, params))
             submitted = True
-            output = OutputProcessor(self.loaded.tokenizer, params.stop, params.skip_special_tokens)
+            output = OutputProcessor(loaded.tokenizer, params.stop, params.skip_special_tokens)
             while True:
                 self._busy_since.pop(request_id, None)
                 step = await q.get()
@@ -223,6 +222,7 @@ class AsyncEngine:
     async def guide(self, spec: GuideSpec) -> Guide:
         """The compiled grammar for ``spec`` (on the pool; cached per model); GuideError if invalid."""
         self._check_alive()
+        assert self.guides is not None
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.guides.compile, spec)
 
     def abort(self, request_id: str) -> None:
@@ -239,16 +239,21 @@ class AsyncEngine:
                 f"model {self.name!r} is overloaded: {len(self._streams)} requests in flight; retry later"
             )
 
-    def _check_alive(self) -> None:
+    def _check_alive(self) -> EngineCore:
         if self.core is None or self.dead_reason is not None or not self.worker.alive:
             raise EngineNotReadyError(f"model {self.name!r} is not available: {self.dead_reason or 'not started'}")
+        return self.core
 
     async def _phase1(self, prompt: PromptInputs | PromptFactory) -> PromptInputs:
         if isinstance(prompt, PromptInputs):
             return prompt
-        return await asyncio.get_running_loop().run_in_executor(self._pool, prompt, self.prompter)
+        prompter = self.prompter
+        assert prompter is not None
+        return await asyncio.get_running_loop().run_in_executor(self._pool, prompt, prompter)
 
-    def _check_fits(self, prompt: PromptInputs, params: SamplingParams) -> None:
+    def _check_fits(self, prompt: PromptInputs, params: SamplingParams) -> LoadedModel:
+        """The loaded model, once ``prompt`` is known to fit it; else the error that says why not."""
+        assert self.loaded is not None
         most = self.loaded.adapter.max_images
         if most is not None and prompt.num_images > most:
             raise PromptError(f"model {self.name!r} ({self.loaded.model_type}) takes at most {most} image(s) "
@@ -259,6 +264,7 @@ class AsyncEngine:
         refusal = self.kv.refusal(min(len(prompt) + params.max_tokens, limit)) if self.kv is not None else None
         if refusal is not None:
             raise OverBudgetError(f"model {self.name!r} cannot take this request: {refusal}")
+        return self.loaded
 
     def _publish_threadsafe(self, step: StepOutputs) -> None:
         """On the worker, once per step: one hop to the loop for all of the step's outputs."""
@@ -298,8 +304,7 @@ class AsyncEngine:
 
     async def stats(self) -> EngineMetrics:
         """Exact engine counters, read on the worker between two steps."""
-        self._check_alive()
-        return await self.worker.run(self.core.snapshot)
+        return await self.worker.run(self._check_alive().snapshot)
 
     @property
     def metrics(self) -> EngineMetrics | None:

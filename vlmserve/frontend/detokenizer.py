@@ -49,4 +49,5 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        return text

@@ -96,7 +96,7 @@ class GuideCompiler:
         if spec.kind == "json_object":
             return "%json " + json.dumps(tidy_json({"type": "object"}))
         if spec.kind == "regex":
-            return "/" + spec.value.replace("/", "\\/") + "/"
+            return "/" + str(spec.value).replace("/", "\\/") + "/"
         if spec.kind == "choice":
             return " | ".join(json.dumps(c) for c in spec.value)
         raise GuideError(f"unknown constraint {spec.kind!r}")

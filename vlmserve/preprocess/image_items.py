@@ -64,9 +64,10 @@ def _split_tuples(arrays: Mapping[str, HostArray], n: int) -> list[dict[str, np.
 
 
 def _split_rows(arrays: Mapping[str, HostArray], n: int) -> list[dict[str, np.ndarray]] | None:
-    if not all(isinstance(v, np.ndarray) and v.ndim >= 1 and v.shape[0] == n for v in arrays.values()):
+    rows = {k: v for k, v in arrays.items() if isinstance(v, np.ndarray) and v.ndim >= 1 and v.shape[0] == n}
+    if len(rows) < len(arrays):
         return None
-    return [{k: v[i:i + 1] for k, v in arrays.items()} for i in range(n)]
+    return [{k: v[i:i + 1] for k, v in rows.items()} for i in range(n)]
 
 
 def _hash(item: Mapping[str, np.ndarray]) -> str:

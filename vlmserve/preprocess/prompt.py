@@ -41,12 +41,13 @@ def render_chat(
 ) -> str:
     """Render the model's own chat template; images stay as ``{"type": "image"}`` parts."""
     try:
-        return templater_of(processor).apply_chat_template(
+        text: str = templater_of(processor).apply_chat_template(
             list(messages),
             tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
         )
+        return text
     except Exception as exc:  # noqa: BLE001 - jinja errors are the caller's input
         raise PromptError(f"chat template failed: {exc}") from exc
 
@@ -62,8 +63,11 @@ def encode(processor: Any, text: str, images: Sequence[Image.Image] = ()) -> Pro
         ids = tokenizer_of(processor)(text)["input_ids"]
         return PromptInputs(input_ids=[int(i) for i in ids])
     out = processor(text=[text], images=list(images), return_tensors="np")
-    arrays = {key: _to_host(value) for key, value in out.items() if key not in ("input_ids", "attention_mask")}
-    arrays = {k: v for k, v in arrays.items() if v is not None}
+    arrays: dict[str, HostArray] = {}
+    for key, value in out.items():
+        host = _to_host(value) if key not in ("input_ids", "attention_mask") else None
+        if host is not None:
+            arrays[key] = host
     ids = [int(i) for i in np.asarray(out["input_ids"]).reshape(-1)]
     return PromptInputs(input_ids=ids, arrays=arrays, num_images=len(images),
                         images=image_items(arrays, len(images), len(ids)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
+from typing import Any
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
@@ -54,7 +55,7 @@ def _read_body(response: httpx.Response, max_bytes: int, deadline: float, label:
     return bytes(data)
 
 
-def _checked_target(url: str, allowed_domains: tuple[str, ...], label: str) -> tuple[str, dict, dict]:
+def _checked_target(url: str, allowed_domains: tuple[str, ...], label: str) -> tuple[str, dict[str, str], dict[str, Any]]:
     """``(url to connect to, headers, httpx extensions)``: pinned to a checked public address,
     or as given for a host on the allow-list."""
     parts = urlsplit(url)
@@ -79,7 +80,7 @@ def _public_address(host: str, port: int, label: str) -> str:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
         raise ImageError(f"{label}: cannot resolve {host!r}: {exc}") from None
-    addresses = [info[4][0] for info in infos]
+    addresses = [str(info[4][0]) for info in infos]
     for address in addresses:
         ip = ipaddress.ip_address(address.split("%", 1)[0])
         if not ip.is_global or ip.is_multicast:  # loopback, private, link-local (metadata), reserved

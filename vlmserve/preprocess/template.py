@@ -9,12 +9,12 @@ turns those into facts the prompt builder acts on, for any template.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 PROBE = "vlmserve-probe-7a1c"
-PROBE_TOOL = {"type": "function", "function": {
+PROBE_TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": "vlmserve_probe_tool", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
 
 # Hermes-style tool use, as Qwen2.5's template writes it: for templates with no tool syntax.
@@ -41,7 +41,7 @@ class TemplateInfo:
 
 def inspect_template(templater: Any) -> TemplateInfo:
     """Render probe conversations through the template (``templater.apply_chat_template``)."""
-    conversations = {
+    conversations: dict[str, Callable[[Any], list[dict[str, Any]]]] = {
         "system": lambda c: [{"role": "system", "content": c}, {"role": "user", "content": "hi"}],
         "user": lambda c: [{"role": "user", "content": c}],
         "assistant": lambda c: [{"role": "user", "content": "hi"}, {"role": "assistant", "content": c},
@@ -73,7 +73,8 @@ def _call_chat(call_id: str) -> list[dict[str, Any]]:
 
 def _render(templater: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str | None:
     try:
-        return templater.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        text: str = templater.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        return text
     except Exception:  # noqa: BLE001 - a template may refuse a probe (e.g. no system role): no fact
         return None
 

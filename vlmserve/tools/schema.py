@@ -26,7 +26,7 @@ _KIND_TYPES: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def check_call(name: str, arguments: JSONObject, tools: list[dict] | None) -> JSONObject:
+def check_call(name: str, arguments: JSONObject, tools: list[dict[str, Any]] | None) -> JSONObject:
     """The arguments coerced to the tool's schema; ToolParseError for a tool the request did not offer."""
     if tools is None:
         return arguments
@@ -36,7 +36,7 @@ def check_call(name: str, arguments: JSONObject, tools: list[dict] | None) -> JS
     return _object_properties(arguments, schema)
 
 
-def find_parameters(tools: list[dict], name: str) -> JSONObject | None:
+def find_parameters(tools: list[dict[str, Any]], name: str) -> JSONObject | None:
     """The `parameters` schema of the tool called `name` ({} if it has none), None if not offered."""
     for tool in tools:
         function = tool.get("function", tool) if isinstance(tool, dict) else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from vlmserve.tools.base import (
     ContentDelta,
     StreamEvent,
@@ -25,7 +27,7 @@ class ToolCallStreamParser:
     text was split: `parse_tool_calls` is this parser fed once.
     """
 
-    def __init__(self, parser: str, tools: list[dict] | None) -> None:
+    def __init__(self, parser: str, tools: list[dict[str, Any]] | None) -> None:
         self._format = get_format(parser)
         self._tools = tools
         self._buffer = ""  # text not yet decided on: a possible marker prefix, or an open call
@@ -115,7 +117,7 @@ class ToolCallStreamParser:
             events.append(ContentDelta(body))
 
 
-def parse_tool_calls(text: str, tools: list[dict] | None, parser: str) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None, parser: str) -> tuple[str, list[ToolCall]]:
     """The content without call markup (ends trimmed) and the calls, as the stream parser sees them."""
     stream = ToolCallStreamParser(parser, tools)
     events = stream.feed(text) + stream.finish()

@@ -131,7 +131,8 @@ class ModelAdapter:
             logits_to_keep=1,  # Gemma 4 computes the head for the last position only; others ignore it
             **embedded.lm_kwargs,
         )
-        return out.logits[:, -1, :]
+        logits: mx.array = out.logits[:, -1, :]
+        return logits
 
     def prefill_rows(self, input_ids: list[mx.array], embedded: list[Embedded],
                      split_last: bool) -> tuple[mx.array, list[Any]]:
@@ -142,10 +143,10 @@ class ModelAdapter:
         """
         lengths = [e.inputs_embeds.shape[1] for e in embedded]
         longest = max(lengths)
-        rows = [{"inputs_embeds": e.inputs_embeds, **e.lm_kwargs} for e in embedded]
+        rows: list[dict[Any, Any] | None] = [{"inputs_embeds": e.inputs_embeds, **e.lm_kwargs} for e in embedded]
         embeds, kwargs = _merge_prefill_prompt_kwargs(rows, [[0] * n for n in lengths])
         ids = mx.concatenate([mx.pad(i, [(0, 0), (longest - i.shape[1], 0)]) for i in input_ids])
-        cache = _make_cache(self.language_model, [longest - n for n in lengths])
+        cache = _make_cache(self.language_model, [longest - n for n in lengths])  # type: ignore[no-untyped-call]
         start = 0
         if split_last and longest > 1:
             self._forward_columns(ids, embeds, kwargs, cache, 0, longest - 1)
@@ -204,12 +205,14 @@ class ModelAdapter:
                   for k, v in kwargs.items()}
         out = self.language_model(ids[:, start:end], inputs_embeds=embeds[:, start:end], cache=cache,
                                   logits_to_keep=1, **window)
-        return out.logits[:, -1, :]
+        logits: mx.array = out.logits[:, -1, :]
+        return logits
 
     def decode(self, tokens: mx.array, cache: list[Any], row_state: dict[str, mx.array]) -> mx.array:
         """One token per batch row (``tokens``: ``[B, 1]``); returns logits ``[B, vocab]``."""
         out = self.language_model(tokens, cache=cache, **row_state)
-        return out.logits[:, -1, :]
+        logits: mx.array = out.logits[:, -1, :]
+        return logits
 
 
 def _stack_rows(values: list[mx.array], lengths: list[int], longest: int) -> mx.array:

@@ -27,7 +27,8 @@ class Gemma3Adapter(ModelAdapter):
         dtype = self.language_model.model.embed_tokens(mx.zeros((1, 1), dtype=mx.int32)).dtype
         hidden, _, _ = self.model.vision_tower(arrays["pixel_values"].transpose(0, 2, 3, 1).astype(dtype),
                                                output_hidden_states=True)
-        return self.model.multi_modal_projector(hidden)
+        features: mx.array = self.model.multi_modal_projector(hidden)
+        return features
 
     def can_batch(self, prompt: PromptInputs) -> bool:
         # With images, mlx-vlm hands the language model a [1, 1, L, L] mask per prompt, which
@@ -45,7 +46,8 @@ class Gemma4Adapter(ModelAdapter):
     def encode_image(self, arrays: dict[str, mx.array]) -> mx.array:
         pixels = arrays["pixel_values"]
         pixels = pixels[None] if pixels.ndim == 3 else pixels  # an image of a size of its own
-        return self.model.encode_image(pixels, arrays.get("image_position_ids"))  # [1, tokens, hidden]
+        features: mx.array = self.model.encode_image(pixels, arrays.get("image_position_ids"))  # [1, tokens, hidden]
+        return features
 
     def join_features(self, features: list[mx.array]) -> mx.array:
         return mx.concatenate(features, axis=1)  # scattered in order over the image tokens
@@ -79,4 +81,5 @@ class PaliGemmaAdapter(ModelAdapter):
         # Attending both ways, mlx-vlm's PaliGemma builds no mask at all, so in a left-padded batch
         # a decode token would attend to its row's padding. One new token is causal anyway: mask it.
         mask = create_attention_mask(tokens, cache, return_array=True)
-        return self.language_model(tokens, cache=cache, mask=mask, **row_state).logits[:, -1, :]
+        logits: mx.array = self.language_model(tokens, cache=cache, mask=mask, **row_state).logits[:, -1, :]
+        return logits

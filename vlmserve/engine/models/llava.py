@@ -26,7 +26,8 @@ class LlavaAdapter(ModelAdapter):
         chosen = [hidden_states[layer] for layer in ([layers] if isinstance(layers, int) else layers)]
         if model.vision_feature_select_strategy == "default":
             chosen = [h[:, 1:] for h in chosen]  # no CLS token
-        return model.multi_modal_projector(chosen[0] if len(chosen) == 1 else mx.concatenate(chosen, axis=-1))
+        features: mx.array = model.multi_modal_projector(chosen[0] if len(chosen) == 1 else mx.concatenate(chosen, axis=-1))
+        return features
 
 
 class LlavaNextAdapter(ModelAdapter):

@@ -26,7 +26,8 @@ class MRoPEAdapter(ModelAdapter):
         # As mlx-vlm's get_input_embeddings runs the tower: [patches / merge^2, hidden]
         tower = self.model.vision_tower
         out = tower(arrays["pixel_values"].astype(tower.patch_embed.proj.weight.dtype), arrays["image_grid_thw"])
-        return out[0] if isinstance(out, tuple) else out  # Qwen3.5's tower also returns its DeepStack list
+        features: mx.array = out[0] if isinstance(out, tuple) else out  # Qwen3.5's tower also returns DeepStack's
+        return features
 
     def vision_blocks(self) -> tuple[Any, str] | None:
         tower = self.model.vision_tower
