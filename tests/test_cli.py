@@ -99,3 +99,32 @@ def test_log_level_works_after_the_command(tmp_path):
     assert before.returncode == after.returncode == 2 and "invalid choice: 'nope'" in after.stderr
     ok = _vlmserve("build-model", "--log-level", "error", "--out", str(tmp_path / "m"), "--size", "micro")
     assert ok.returncode == 0, ok.stderr
+
+
+def test_serve_defaults_are_the_config_dataclasses_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each default is written once, in ServeConfig or EngineConfig: the command line reads them."""
+    from vlmserve.cli import _parser, serve_config
+    from vlmserve.config import CaptionConfig, EngineConfig, ServeConfig
+
+    monkeypatch.delenv("VLMSERVE_API_KEY", raising=False)
+    assert serve_config(_parser().parse_args(["serve"])) == ServeConfig()
+    caption = _parser().parse_args(["caption", "x.png"])
+    assert (caption.prompt, caption.max_tokens, caption.temperature, caption.dtype) == (
+        CaptionConfig.__dataclass_fields__["prompt"].default, CaptionConfig.__dataclass_fields__["max_tokens"].default,
+        CaptionConfig.__dataclass_fields__["temperature"].default, CaptionConfig.__dataclass_fields__["dtype"].default)
+    engine = EngineConfig()
+    flags = {"--max-batch-size": engine.max_batch_size, "--max-queue": engine.max_queue,
+             "--prefill-chunk": engine.prefill_chunk, "--stream-step-share": engine.stream_step_share,
+             "--encoder-budget": engine.encoder_budget, "--stream-stall-timeout": engine.stall_timeout_s,
+             "--default-max-tokens": ServeConfig().default_max_tokens}
+    text = " ".join(_help("serve").split())
+    for flag, value in flags.items():
+        after = text.rsplit(f"{flag} {flag.lstrip('-').upper().replace('-', '_')}", 1)[1]  # the option's help
+        assert f"(default: {value})" in after.split(" --", 1)[0], flag
+
+
+def _help(command: str) -> str:
+    from vlmserve.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a.choices, dict))  # noqa: SLF001
+    return sub.choices[command].format_help()

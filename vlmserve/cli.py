@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmserve.config import DEFAULT_DTYPE, DEFAULT_PROMPT, DTYPES, CaptionConfig, resolve_model, usage_error
+from vlmserve.config import (
+    DTYPES,
+    CaptionConfig,
+    EngineConfig,
+    ServeConfig,
+    field_default,
+    resolve_model,
+    usage_error,
+)
 from vlmserve.testing.build import ARCHS, SIZES
 from vlmserve.tools.registry import ALIASES, PARSERS
 
@@ -60,11 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     cap = sub.add_parser("caption", help="caption one image and print the text as it is generated")
     cap.add_argument("image", type=Path, help="an image file (PNG, JPEG, WebP...)")
     cap.add_argument("--model", default=None, help="local directory or Hub id (default: the built-in demo model)")
-    cap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the instruction sent with the image")
-    cap.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
-    cap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    cap.add_argument("--prompt", default=field_default(CaptionConfig, "prompt"), help="the instruction sent with the image")
+    cap.add_argument("--max-tokens", type=int, default=field_default(CaptionConfig, "max_tokens"),
+                     help="most tokens to generate")
+    cap.add_argument("--temperature", type=float, default=field_default(CaptionConfig, "temperature"), help="0 is greedy")
     cap.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
-    cap.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES, help=DTYPE_HELP)
+    cap.add_argument("--dtype", default=field_default(CaptionConfig, "dtype"), choices=DTYPES, help=DTYPE_HELP)
     cap.set_defaults(func=_caption_command, wants_openblas=True)
 
     _serve_parser(sub.add_parser("serve", help="serve an OpenAI-compatible API"))
@@ -90,21 +99,32 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve_parser(srv: argparse.ArgumentParser) -> None:
+    serve, engine = ServeConfig(), EngineConfig()  # every default below is read from these
     srv.add_argument("--model", action="append", default=[],
                      help="local directory or Hub id; repeat to serve several (default: the built-in demo model)")
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
+    srv.add_argument("--host", default=serve.host, help="address to listen on")
+    srv.add_argument("--port", type=int, default=serve.port, help="port to listen on")
     srv.add_argument("--api-key", default=os.environ.get("VLMSERVE_API_KEY") or None,
                      help="require Authorization: Bearer KEY (default: $VLMSERVE_API_KEY, else no key)")
     srv.add_argument("--cors-origin", action="append", default=[],
                      help="allow browser requests from this origin, e.g. http://localhost:3000; repeat for several "
                           "or * for any (default: none)")
-    srv.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
-    srv.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond the batch before 429")
+    srv.add_argument("--max-batch-size", type=int, default=engine.max_batch_size, help="requests decoded together")
+    srv.add_argument("--max-queue", type=int, default=engine.max_queue, help="waiting requests beyond the batch before 429")
+    srv.add_argument("--prefill-chunk", type=int, default=engine.prefill_chunk,
+                     help="prompt tokens per step while nothing decodes (a prompt split by layers: its share of them)")
+    srv.add_argument("--stream-prefill-chunk", type=int, default=engine.stream_prefill_chunk,
+                     help="prompt tokens per step while requests decode (default: sized from the measured cost of a "
+                          "prompt token and a decode step, see --stream-step-share)")
+    srv.add_argument("--stream-step-share", type=float, default=engine.stream_step_share,
+                     help="while requests decode, the prompt and vision work of a step may take this many decode "
+                          "steps' time: higher starts new requests sooner, lower keeps running streams smoother")
+    srv.add_argument("--encoder-budget", type=int, default=engine.encoder_budget,
+                     help="images through the vision tower per step while requests decode")
     srv.add_argument("--kv-cache-gb", type=float, default=None,
                      help="KV-cache memory for running requests; a request that could never fit gets 400, others "
                           "wait (default: 80%% of Metal's recommended working set, else half the RAM, less the weights)")
-    srv.add_argument("--vision-cache-mb", type=float, default=256.0,
+    srv.add_argument("--vision-cache-mb", type=float, default=engine.vision_cache_bytes / 2**20,
                      help="image features kept across requests, so an image shown again skips the vision tower; 0 turns "
                           "it off")
     srv.add_argument("--allowed-media-dir", action="append", type=Path, default=[], help="local images may come from here")
@@ -114,42 +134,55 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--tool-parser", default=None, choices=TOOL_PARSERS,
                      help="the tool-call format (default: the chat template's, else the model family's)")
     srv.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache for text prompts off")
-    srv.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens when a request gives none")
+    srv.add_argument("--default-max-tokens", type=int, default=serve.default_max_tokens,
+                     help="max_tokens when a request gives none")
     srv.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens (default: the model's)")
-    srv.add_argument("--max-request-mb", type=float, default=64.0, help="larger request bodies get 413")
-    srv.add_argument("--shutdown-timeout", type=float, default=5.0,
+    srv.add_argument("--max-request-mb", type=float, default=serve.max_request_bytes / 2**20,
+                     help="larger request bodies get 413")
+    srv.add_argument("--shutdown-timeout", type=float, default=serve.shutdown_timeout,
                      help="seconds running requests get to finish after SIGTERM before they end with an error")
-    srv.add_argument("--stream-stall-timeout", type=float, default=30.0,
+    srv.add_argument("--stream-stall-timeout", type=float, default=engine.stall_timeout_s,
                      help="seconds a client may read nothing while tokens wait before its request is aborted")
-    srv.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES, help=DTYPE_HELP)
+    srv.add_argument("--dtype", default=engine.dtype, choices=DTYPES, help=DTYPE_HELP)
     srv.set_defaults(func=_serve_command, wants_openblas=True)
 
 
-def _serve_command(args: argparse.Namespace) -> int:
-    from vlmserve.server import ServeConfig, serve
-
-    if args.max_batch_size < 1 or args.max_queue < 0:
-        return usage_error("--max-batch-size must be >= 1 and --max-queue >= 0")
+def serve_config(args: argparse.Namespace) -> ServeConfig | str:
+    """The parsed ``serve`` command line as a config, or what is wrong with it."""
+    positive = (args.prefill_chunk, args.encoder_budget, args.stream_prefill_chunk or 1)
+    if args.max_batch_size < 1 or args.max_queue < 0 or min(positive) < 1 or args.stream_step_share <= 0:
+        return ("--max-batch-size, --prefill-chunk, --stream-prefill-chunk and --encoder-budget must be >= 1, "
+                "--max-queue >= 0 and --stream-step-share > 0")
     if args.shutdown_timeout < 0 or args.stream_stall_timeout <= 0 or (args.kv_cache_gb or 1) <= 0:
-        return usage_error("--shutdown-timeout must be >= 0, --stream-stall-timeout and --kv-cache-gb > 0")
+        return "--shutdown-timeout must be >= 0, --stream-stall-timeout and --kv-cache-gb > 0"
     if args.vision_cache_mb < 0:
-        return usage_error("--vision-cache-mb must be >= 0")
+        return "--vision-cache-mb must be >= 0"
     for directory in args.allowed_media_dir:
         if not directory.is_dir():
-            return usage_error(f"--allowed-media-dir {directory}: not a directory")
-    config = ServeConfig(
+            return f"--allowed-media-dir {directory}: not a directory"
+    engine = EngineConfig(
+        max_batch_size=args.max_batch_size, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+        stream_prefill_chunk=args.stream_prefill_chunk, stream_step_share=args.stream_step_share,
+        encoder_budget=args.encoder_budget, max_model_len=args.max_model_len, prefix_cache=not args.no_prefix_cache,
+        dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
+        vision_cache_bytes=int(args.vision_cache_mb * 2**20), stall_timeout_s=args.stream_stall_timeout,
+    )
+    return ServeConfig(
         models=tuple(args.model), host=args.host, port=args.port, api_key=args.api_key,
-        max_batch_size=args.max_batch_size, max_queue=args.max_queue,
         allowed_media_dirs=tuple(args.allowed_media_dir), allow_remote_images=args.allow_remote_images,
         allowed_media_domains=tuple(d.lower().rstrip(".") for d in args.allowed_media_domains),
-        tool_parser=args.tool_parser, prefix_cache=not args.no_prefix_cache,
-        default_max_tokens=args.default_max_tokens, max_model_len=args.max_model_len,
-        max_request_bytes=int(args.max_request_mb * 1024 * 1024), log_level=args.log_level, dtype=args.dtype,
-        kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
-        shutdown_timeout=args.shutdown_timeout, stall_timeout_s=args.stream_stall_timeout,
-        cors_origins=tuple(args.cors_origin), vision_cache_bytes=int(args.vision_cache_mb * 2**20),
+        tool_parser=args.tool_parser, default_max_tokens=args.default_max_tokens,
+        max_request_bytes=int(args.max_request_mb * 2**20),
+        log_level=args.log_level or field_default(ServeConfig, "log_level"),
+        shutdown_timeout=args.shutdown_timeout, cors_origins=tuple(args.cors_origin), engine=engine,
     )
-    return serve(config)
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    from vlmserve.server import serve
+
+    config = serve_config(args)
+    return usage_error(config) if isinstance(config, str) else serve(config)
 
 
 def _build_command(args: argparse.Namespace) -> int:

@@ -1,22 +1,36 @@
-"""[main] Frozen configuration and the built-in default model."""
+"""[main] Frozen configuration and the built-in default model.
+
+Each default is written once, as a field of these dataclasses (and of ``EngineConfig``); the CLI's
+flags and help read them from there (``field_default``).
+"""
 
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
+from typing import Any
+
+from vlmserve.engine.engine_config import DEFAULT_DTYPE, DTYPES, EngineConfig
 
 DEFAULT_MODEL_NAME = "demo-gemma4"  # the model trained in-repo on shapes (vlmserve/assets/demo-gemma4)
 # Package data, so a wheel carries it; installed packages live on disk and mlx_vlm.load wants a path.
 DEMO_MODEL_DIR: Path = Path(str(resources.files("vlmserve") / "assets" / DEFAULT_MODEL_NAME))
 DEFAULT_PROMPT = "Describe this image."
-# How float weights are served: auto (float32 on a Linux CPU with OpenBLAS, else as stored),
-# model (as stored), or one dtype. See vlmserve.engine.loader.serving_dtype.
-DTYPES = ("auto", "model", "float32", "bfloat16", "float16")
-DEFAULT_DTYPE = "auto"
 EXIT_USAGE = 2  # the exit status of a command line that cannot run, as argparse's
+
+
+__all__ = ["DEFAULT_DTYPE", "DTYPES", "CaptionConfig", "EngineConfig", "ServeConfig", "field_default", "usage_error"]
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass ``cls``'s field ``name``: the one place each default is written."""
+    for f in fields(cls):
+        if f.name == name:
+            return f.default
+    raise KeyError(f"{cls.__name__} has no field {name!r}")
 
 
 def usage_error(message: str) -> int:
@@ -34,6 +48,26 @@ class CaptionConfig:
     temperature: float = 0.0
     seed: int | None = None
     dtype: str = DEFAULT_DTYPE
+
+
+@dataclass(slots=True, frozen=True)
+class ServeConfig:
+    """What ``vlmserve serve`` runs: the server's own settings, and every model's engine's."""
+
+    models: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    allowed_media_dirs: tuple[Path, ...] = ()
+    allow_remote_images: bool = False
+    allowed_media_domains: tuple[str, ...] = ()
+    tool_parser: str | None = None
+    default_max_tokens: int = 512  # max_tokens when a request gives none
+    max_request_bytes: int = 64 << 20  # larger request bodies get 413
+    log_level: str = "info"
+    shutdown_timeout: float = 5.0  # seconds running requests get to finish after SIGTERM
+    cors_origins: tuple[str, ...] = ()
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 def default_model_path() -> Path:

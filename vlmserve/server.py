@@ -8,8 +8,6 @@ import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -17,8 +15,7 @@ import uvicorn
 from vlmserve import __version__
 from vlmserve.api.app import create_app, stop_engines
 from vlmserve.api.state import ServedModel, ServerState, aliases_for
-from vlmserve.config import DEFAULT_DTYPE, resolve_model
-from vlmserve.engine.engine_config import EngineConfig
+from vlmserve.config import ServeConfig, resolve_model
 from vlmserve.frontend.async_engine import AsyncEngine
 from vlmserve.preprocess.media import MediaPolicy
 
@@ -26,46 +23,16 @@ log = logging.getLogger(__name__)
 SEND_BUFFER = 64 * 1024  # bytes the kernel buffers per connection toward a client
 
 
-@dataclass(slots=True, frozen=True)
-class ServeConfig:
-    models: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_batch_size: int = 8
-    max_queue: int = 64
-    allowed_media_dirs: tuple[Path, ...] = ()
-    allow_remote_images: bool = False
-    allowed_media_domains: tuple[str, ...] = ()
-    tool_parser: str | None = None
-    prefix_cache: bool = True
-    default_max_tokens: int = 512
-    max_model_len: int | None = None
-    max_request_bytes: int = 64 * 1024 * 1024
-    log_level: str = "info"
-    dtype: str = DEFAULT_DTYPE
-    shutdown_timeout: float = 5.0
-    kv_cache_bytes: int | None = None
-    stall_timeout_s: float = 30.0
-    cors_origins: tuple[str, ...] = ()
-    vision_cache_bytes: int = 256 << 20
-
-
 def build_state(config: ServeConfig) -> ServerState:
-    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="preprocess")
-    engine_config = EngineConfig(max_batch_size=config.max_batch_size, max_queue=config.max_queue,
-                                 prefix_cache=config.prefix_cache, max_model_len=config.max_model_len,
-                                 dtype=config.dtype, kv_cache_bytes=config.kv_cache_bytes,
-                                 stall_timeout_s=config.stall_timeout_s, vision_cache_bytes=config.vision_cache_bytes)
+    pool = ThreadPoolExecutor(max_workers=config.engine.preprocess_threads, thread_name_prefix="preprocess")
     served = []
     for spec in config.models or (None,):
         path, name = resolve_model(spec)
-        engine = AsyncEngine(path, name, engine_config, pool)
+        engine = AsyncEngine(path, name, config.engine, pool)
         served.append(ServedModel(name, engine, aliases_for(path) if spec else ("default",), config.tool_parser))
     media = MediaPolicy(allowed_dirs=config.allowed_media_dirs, allow_remote=config.allow_remote_images,
                         allowed_domains=config.allowed_media_domains)
-    return ServerState(served, media, config.api_key, config.default_max_tokens, config.max_request_bytes,
-                       cors_origins=config.cors_origins)
+    return ServerState(served, media, config)
 
 
 class _Server(uvicorn.Server):

@@ -43,9 +43,9 @@ def create_app(state: ServerState, on_fatal: Callable[[str], None] | None = None
     app = FastAPI(title="vlmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.vlmserve = state
     install_error_handlers(app, state.metrics)
-    app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes, on_reject=state.metrics.rejected)
-    if state.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(state.cors_origins), allow_methods=["GET", "POST"],
+    app.add_middleware(BodyLimit, max_bytes=state.config.max_request_bytes, on_reject=state.metrics.rejected)
+    if state.config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.config.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     _routes(app, state)
     return app
@@ -121,11 +121,12 @@ def _engine_status(engine: Any) -> str:
 
 def _auth(state: ServerState) -> Callable[[Request], None]:
     def check(request: Request) -> None:
-        if state.api_key is None:
+        api_key = state.config.api_key
+        if api_key is None:
             return
         header = request.headers.get("authorization", "")
         token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not secrets.compare_digest(token.encode(), state.api_key.encode()):
+        if not secrets.compare_digest(token.encode(), api_key.encode()):
             raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                            "invalid_request_error", None, "invalid_api_key")
 

@@ -104,8 +104,8 @@ async def open_call(req: ChatCompletionRequest, http: Request, state: ServerStat
     served = state.model(req.model)
     chat = to_chat_input(req, state.media.max_images)
     engine = served.engine
-    tokenizer = engine.loaded.tokenizer if engine.loaded else None
-    params = to_sampling_params(req, state.default_max_tokens, len(tokenizer) if tokenizer is not None else 0)
+    tokenizer = engine.tokenizer  # the loop's own copy
+    params = to_sampling_params(req, state.config.default_max_tokens, len(tokenizer) if tokenizer is not None else 0)
     if chat.tools and served.tool_parser:
         params = dataclasses.replace(params, skip_special_tokens=False)  # the parser needs the markers
     wanted = guide_spec(req, served.tool_parser)

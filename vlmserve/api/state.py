@@ -7,6 +7,7 @@ from pathlib import Path
 
 from vlmserve.api.errors import APIError
 from vlmserve.api.metrics import ServerMetrics
+from vlmserve.config import ServeConfig
 from vlmserve.frontend.async_engine import AsyncEngine
 from vlmserve.preprocess.media import MediaPolicy
 
@@ -27,11 +28,8 @@ class ServedModel:
 class ServerState:
     models: list[ServedModel]
     media: MediaPolicy = field(default_factory=MediaPolicy)
-    api_key: str | None = None
-    default_max_tokens: int = 512
-    max_body_bytes: int = 64 * 1024 * 1024
+    config: ServeConfig = field(default_factory=ServeConfig)  # api_key, default_max_tokens, body limit, CORS
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    cors_origins: tuple[str, ...] = ()
     draining: bool = False  # shutting down: no new requests, running ones finish
 
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vlmserve.config import DEFAULT_DTYPE
+# How float weights are served: auto (float32 on a Linux CPU with OpenBLAS, else as stored),
+# model (as stored), or one dtype. See vlmserve.engine.loader.serving_dtype.
+DTYPES = ("auto", "model", "float32", "bfloat16", "float16")
+DEFAULT_DTYPE = "auto"
 
 
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
     max_batch_size: int = 8
     max_queue: int = 64  # requests waiting beyond the batch before submissions fail fast
+    preprocess_threads: int = 4  # phase 1's pool (chat template, tokenizer, images), shared by a server's models
     prefill_chunk: int = 512  # prompt tokens per step (a prompt split by layers: its share of them)
     # While requests decode, a step's prompt work may take this many decode steps' time (engine/costs.py):
     stream_step_share: float = 2.0

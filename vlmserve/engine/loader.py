@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-from vlmserve.config import DEFAULT_DTYPE, DTYPES
+from vlmserve.engine.engine_config import DEFAULT_DTYPE, DTYPES
 from vlmserve.engine.models import ModelAdapter, UnsupportedModelError, adapter_for
 
 log = logging.getLogger(__name__)
