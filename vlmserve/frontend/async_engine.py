@@ -7,6 +7,7 @@ MLX worker thread. The event loop only moves messages: it never runs or waits on
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import time
@@ -62,10 +63,12 @@ class AsyncEngine:
         self.model_spec = model
         self.name = name or model
         self.config = config
-        self._pool = pool or ThreadPoolExecutor(max_workers=4, thread_name_prefix="preprocess")
+        self._pool = pool or ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="preprocess")
         self.worker = MLXWorkerThread(name=f"mlx-{self.name}")
         self.loaded: LoadedModel | None = None
         self.prompter: PromptBuilder | None = None
+        # The loop's own copy of the tokenizer (detokenizing, logprobs): the pool's threads have theirs.
+        self.tokenizer: Any = None
         self.tool_format: str | None = None  # the tool-call syntax this model speaks
         self.guides: GuideCompiler | None = None  # constrained decoding's grammars, compiled per model
         self.core: EngineCore | None = None
@@ -90,7 +93,9 @@ class AsyncEngine:
         self.loaded = await self.worker.run(self._load)
         loaded = time.perf_counter()
         self.prompter = await asyncio.get_running_loop().run_in_executor(
-            self._pool, PromptBuilder.for_processor, self.loaded.processor)
+            self._pool, PromptBuilder.for_processor, self.loaded.processor, self.config.preprocess_threads)
+        self.tokenizer = await asyncio.get_running_loop().run_in_executor(
+            self._pool, copy.deepcopy, self.loaded.tokenizer)
         self.tool_format = self._tool_format()
         self.guides = GuideCompiler(self.loaded.tokenizer, self.loaded.eos_token_ids, self.opens_reasoning)
         self.core = EngineCore(self.loaded, self.worker, self._publish_threadsafe, self.config)
@@ -199,10 +204,10 @@ class AsyncEngine:
         submitted = engine_done = False
         try:
             prompt = await self._phase1(prompt)
-            loaded = self._check_fits(prompt, params)
+            self._check_fits(prompt, params)
             self._check_alive().post(AddRequest(request_id, prompt, params))
             submitted = True
-            output = OutputProcessor(loaded.tokenizer, params.stop, params.skip_special_tokens)
+            output = OutputProcessor(self.tokenizer, params.stop, params.skip_special_tokens)
             while True:
                 self._busy_since.pop(request_id, None)
                 step = await q.get()
@@ -251,8 +256,7 @@ class AsyncEngine:
         assert prompter is not None
         return await asyncio.get_running_loop().run_in_executor(self._pool, prompt, prompter)
 
-    def _check_fits(self, prompt: PromptInputs, params: SamplingParams) -> LoadedModel:
-        """The loaded model, once ``prompt`` is known to fit it; else the error that says why not."""
+    def _check_fits(self, prompt: PromptInputs, params: SamplingParams) -> None:
         assert self.loaded is not None
         most = self.loaded.adapter.max_images
         if most is not None and prompt.num_images > most:
@@ -264,7 +268,6 @@ class AsyncEngine:
         refusal = self.kv.refusal(min(len(prompt) + params.max_tokens, limit)) if self.kv is not None else None
         if refusal is not None:
             raise OverBudgetError(f"model {self.name!r} cannot take this request: {refusal}")
-        return self.loaded
 
     def _publish_threadsafe(self, step: StepOutputs) -> None:
         """On the worker, once per step: one hop to the loop for all of the step's outputs."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+import queue
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -117,22 +119,44 @@ def build_prompt(
 
 @dataclass(slots=True, frozen=True)
 class PromptBuilder:
-    """One model's phase 1: its processor, and what its chat template needs (probed once)."""
+    """One model's phase 1: its processor, and what its chat template needs (probed once).
+
+    Hugging Face processors and tokenizers are not documented as thread-safe (transformers #47085;
+    mlx-vlm serializes its preprocessing with a lock). Each ``build`` borrows a private copy of the
+    processor and gives it back: pool threads never share one, and none waits on a lock while
+    another tokenizes a long prompt. ``processor`` itself is only read (its template, its tokens).
+    """
 
     processor: Any
     template: TemplateInfo = TemplateInfo()
     control: ControlTokens = ControlTokens()
+    spares: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue, compare=False, repr=False)
 
     @classmethod
-    def for_processor(cls, processor: Any) -> PromptBuilder:
-        return cls(processor, inspect_template(templater_of(processor)),
-                   ControlTokens.of(processor, tokenizer_of(processor)))
+    def for_processor(cls, processor: Any, copies: int = 0) -> PromptBuilder:
+        """The builder, with ``copies`` processor copies made now (one per pool thread: a copy of a
+        large vocabulary's tokenizer is worth making before the first request, not during it)."""
+        builder = cls(processor, inspect_template(templater_of(processor)),
+                      ControlTokens.of(processor, tokenizer_of(processor)))
+        for _ in range(copies):
+            builder.spares.put(copy.deepcopy(processor))
+        return builder
 
     def build(self, messages: Sequence[dict[str, Any]], images: Sequence[Image.Image] = (),
               tools: Sequence[dict[str, Any]] | None = None, instructions: str = "",
               request_id: str = "-") -> PromptInputs:
-        return build_prompt(self.processor, messages, images, tools, self.template, instructions, request_id,
-                            self.control)
+        processor = self._borrow()
+        try:
+            return build_prompt(processor, messages, images, tools, self.template, instructions, request_id,
+                                self.control)
+        finally:
+            self.spares.put(processor)
+
+    def _borrow(self) -> Any:
+        try:
+            return self.spares.get_nowait()
+        except queue.Empty:  # more threads than copies: one more, kept for later
+            return copy.deepcopy(self.processor)
 
 
 def _count_images(message: dict[str, Any]) -> int:
