@@ -19,8 +19,8 @@ import pytest
 from conftest import running_engine
 
 from vlmserve.engine.params import SamplingParams
-from vlmserve.testing.demo import DEMO_MODEL_DIR, add_cli, demo_model_path
-from vlmserve.testing.demo.commands import format_scores
+from vlmserve.testing.demo import DEMO_MODEL_DIR, demo_model_path
+from vlmserve.testing.demo.commands import add_cli, format_scores
 from vlmserve.testing.demo.dialogues import (
     CAPTION_PROMPTS,
     GREETING,
