@@ -233,6 +233,24 @@ def test_while_a_stream_decodes_one_image_goes_a_few_tower_blocks_a_step():
     assert [(c.request_id, c.first_block, c.last_block) for c in plan.encode] == [("b", 0, 2)]
 
 
+def test_an_image_costs_by_its_pixels():
+    """The tower's time follows pixel values: a four times bigger picture goes in smaller pieces."""
+    s = _scheduler(stream_prefill_chunk=16, vision_blocks=8)
+    s.pixel_tokens = 64 / 3  # a 3-value image costs 64 tokens' time
+    _decoding(s)
+    small, big = _req("small", images=("x",)), _req("big", images=("y",))
+    big.prompt.arrays["pixel_values"] = np.zeros((1, 12))
+    for r in (small, big):
+        s.add(r)
+    plan, _ = _step(s)
+    assert [(c.first_block, c.last_block) for c in plan.encode] == [(0, 2)]  # 16 tokens: 2 of 8 blocks
+    while not small.encoded:
+        _step(s)
+    _step(s)  # small's prefill
+    plan, _ = _step(s)
+    assert [(c.request_id, c.first_block, c.last_block) for c in plan.encode] == [("big", 0, 1)]  # 256: 1 block
+
+
 def test_an_image_the_vision_cache_holds_costs_no_encoder_budget():
     s = _scheduler(encoder_budget=1, caches=FakeCaches(images={"seen"}))
     _decoding(s)
