@@ -122,9 +122,18 @@ class Scheduler:
         text = [EncodeChunk(r.request_id) for r in self.running if not r.encoded and not r.num_images]
         tokens = min(self.stream_tokens, self.config.prefill_chunk) if busy else self.config.prefill_chunk
         budgets = _Budgets(tokens, any(r.num_computed_layers for r in self.running))
-        ready = {c.request_id for c in text}
+        self._plan_prefill(budgets, {c.request_id for c in text})
+        images = self._plan_encode(self.config.encoder_budget, budgets.tokens, bool(budgets.prefill)) if busy \
+            else self._plan_encode(None, None, False)
+        out.encode, out.prefill = text + images, budgets.prefill
+        out.prefill_groups = self._groups(out.prefill)
+        return out
+
+    def _plan_prefill(self, budgets: _Budgets, embedding_now: set[str]) -> None:
+        """Prompt pieces in admission order while the budget lasts: of the prompts already embedded,
+        and of the text prompts embedded in this same step."""
         for req in self.running:
-            if req.prefill_done or not (req.encoded or req.request_id in ready):
+            if req.prefill_done or not (req.encoded or req.request_id in embedding_now):
                 continue
             chunk = self._chunk(req, budgets)
             if chunk is None:
@@ -132,11 +141,6 @@ class Scheduler:
             budgets.prefill.append(chunk)
             if budgets.tokens <= 0:
                 break
-        images = self._plan_encode(self.config.encoder_budget, budgets.tokens, bool(budgets.prefill)) if busy \
-            else self._plan_encode(None, None, False)
-        out.encode, out.prefill = text + images, budgets.prefill
-        out.prefill_groups = self._groups(out.prefill)
-        return out
 
     def _admit(self) -> list[Request]:
         """Move waiting requests into free batch slots while the KV budget holds them."""
