@@ -66,22 +66,31 @@ class ModelRunner:
         self.remove(plan.finished)
         for new in plan.new:
             self._guarded(out, [new.request_id], self._enter, new)
-        whole = [c.request_id for c in plan.encode if c.whole and c.request_id not in out.errors]
-        for group in self.embedding_groups(whole):
-            self._guarded(out, group, self._encode, group, out)
-        for piece in plan.encode:
-            if not piece.whole and piece.request_id not in out.errors:
-                self._guarded(out, [piece.request_id], self._encode_piece, piece, out)
+        self._encode_all(plan.encode, out)
         if plan.decode:
             self._guarded(out, plan.decode, lambda: out.samples.update(self.decode(out.errors)))
-        grouped = {r for g in plan.prefill_groups for r in g}
-        for group in plan.prefill_groups:
-            self._guarded(out, group, self._prefill_together, group, [c for c in plan.prefill if c.request_id in group],
-                          out)
-        for chunk in plan.prefill:
-            if chunk.request_id not in grouped and chunk.request_id not in out.errors:
-                self._guarded(out, [chunk.request_id], self._prefill, chunk, out)
+        self._prefill_all(plan, out)
         return out
+
+    def _encode_all(self, pieces: list[EncodeChunk], out: RunnerOutput) -> None:
+        whole = [c.request_id for c in pieces if c.whole and c.request_id not in out.errors]
+        for group in self.embedding_groups(whole):
+            self._guarded(out, group, self._encode, group, out)
+        for piece in pieces:
+            if not piece.whole and piece.request_id not in out.errors:
+                self._guarded(out, [piece.request_id], self._encode_piece, piece, out)
+
+    def _prefill_all(self, plan: SchedulerOutput, out: RunnerOutput) -> None:
+        together: set[str] = set()
+        for group in plan.prefill_groups:
+            live = [r for r in group if r not in out.errors]  # a prompt whose embedding failed drops out
+            if len(live) > 1:
+                together.update(live)
+                chunks = [c for c in plan.prefill if c.request_id in live]
+                self._guarded(out, live, self._prefill_together, live, chunks, out)
+        for chunk in plan.prefill:
+            if chunk.request_id not in together and chunk.request_id not in out.errors:
+                self._guarded(out, [chunk.request_id], self._prefill, chunk, out)
 
     def _guarded(self, out: RunnerOutput, request_ids: list[str], fn: Callable[..., object], *args: object) -> None:
         """Run one part of the step; if it raises, log it and fail the requests it touched."""
