@@ -146,6 +146,7 @@ class ModelAdapter:
         rows: list[dict[Any, Any] | None] = [{"inputs_embeds": e.inputs_embeds, **e.lm_kwargs} for e in embedded]
         embeds, kwargs = _merge_prefill_prompt_kwargs(rows, [[0] * n for n in lengths])
         ids = mx.concatenate([mx.pad(i, [(0, 0), (longest - i.shape[1], 0)]) for i in input_ids])
+        # mlx-vlm leaves _make_cache unannotated
         cache = _make_cache(self.language_model, [longest - n for n in lengths])  # type: ignore[no-untyped-call]
         start = 0
         if split_last and longest > 1:
