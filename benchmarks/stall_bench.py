@@ -4,7 +4,7 @@ vlmserve, mlx_vlm.server and vllm-mlx, one at a time, on the same small offline 
 
     python benchmarks/stall_bench.py [--arch gemma4,qwen2_5_vl] [--dtype bfloat16,float32] [--runs 2]
         [--servers vlmserve,base,mlx_vlm,vllm_mlx] [--base CHECKOUT ...] [--quick] [--out DIR]
-    python benchmarks/stall_bench.py --readme [--out DIR]     # the last results into benchmarks/README.md
+    python benchmarks/stall_bench.py --readme [DIR ...]     # results (their runs side by side) into the README
 
 One text stream decodes (a long answer; the models are built with ``ignore_eos=True``, so every answer
 runs to its ``max_tokens``). Once it streams steadily, 8 image prompts arrive at once, each with a
@@ -193,18 +193,26 @@ def render(summary: dict[str, Any]) -> str:
         for s in cell["servers"]:
             runs = [r for r in s.get("runs", []) if "failed" not in r]
             failures = [s["failed"]] if "failed" in s else [r["failed"] for r in s.get("runs", []) if "failed" in r]
-            cells = [" / ".join(str(r[k]) for r in runs) for k in keys]
+            cells = [" / ".join(dict.fromkeys(str(r[k]) for r in runs) if k == keys[-1] else (str(r[k]) for r in runs))
+                     for k in keys]
             rows.append([name, s["label"], *cells] if runs else [name, s["label"], f"failed: {failures[0][:80]}",
                                                                    *[""] * (len(keys) - 1)])
-    return _table(header, rows) + "\nEach cell: one value per run (fresh pictures each run), in order.\n"
+    return _table(header, rows) + "\nEach cell: one value per run (fresh pictures each run), in order; the last column once if equal.\n"
 
 
 def heading(summary: dict[str, Any]) -> str:
-    m, loads = summary["cells"][0]["machine"], [c["loadavg_1m_at_start"] for c in summary["cells"]]
-    loads += [c["machine"]["loadavg_1m_at_end"] for c in summary["cells"]]
+    m, loads, again = summary["cells"][0]["machine"], load_averages(summary), summary.get("invocations", 1)
+    runs = f"{summary['runs']} runs per server" + (f" ({again} invocations, each server started afresh in each)"
+                                                   if again > 1 else " (one server process)")
     return (f"{m['date']}, {m['cpus']} CPUs, mlx {m['mlx']} ({m['device']}), small models built with "
-            f"`ignore_eos=True`, {summary['runs']} run(s) per server, 1-min load average {min(loads)}-{max(loads)} "
-            f"during the run, {summary['wall_s'] / 60:.1f} minutes in all.\n")
+            f"`ignore_eos=True`, {runs}, 1-min load average {min(loads)}-{max(loads)} at the cells' starts and "
+            f"ends (other jobs shared the machine), {summary['wall_s'] / 60:.1f} minutes in all.\n")
+
+
+def load_averages(summary: dict[str, Any]) -> list[float]:
+    """The 1-minute load averages taken at each cell's start and end."""
+    return summary.get("loads") or [x for c in summary["cells"]
+                                    for x in (c["loadavg_1m_at_start"], c["machine"]["loadavg_1m_at_end"])]
 
 
 def plot(cells: list[dict[str, Any]], path: Path) -> None:
@@ -239,6 +247,21 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def merge(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs of the benchmark as one: each server's runs in order, the machine of the first."""
+    first = summaries[0]
+    cells = [{**c, "servers": [dict(s) for s in c["servers"]]} for c in first["cells"]]
+    for other in summaries[1:]:
+        for cell, again in zip(cells, other["cells"]):
+            assert (cell["arch"], cell["dtype"]) == (again["arch"], again["dtype"]), "merge runs of one grid"
+            for server, more in zip(cell["servers"], again["servers"]):
+                assert server["label"] == more["label"], "merge runs of the same servers"
+                server["runs"] = server.get("runs", []) + more.get("runs", [])
+    return {**first, "cells": cells, "runs": sum(s["runs"] for s in summaries),
+            "loads": [x for s in summaries for x in load_averages(s)],
+            "wall_s": sum(s["wall_s"] for s in summaries), "invocations": len(summaries)}
+
+
 def write_readme(summary: dict[str, Any], out: Path) -> None:
     """Replace the README's stall_bench block (between its markers) with these results and plot."""
     shutil.copy(out / PLOT, HERE / PLOT)
@@ -265,7 +288,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="the first model and dtype only, one run")
     parser.add_argument("--out", type=Path, default=None, help="default results/stall (results/stall-quick)")
-    parser.add_argument("--readme", action="store_true", help="only write the last results into benchmarks/README.md")
+    parser.add_argument("--readme", type=Path, nargs="*", default=None, metavar="DIR",
+                        help="only write these results (default --out; several: their runs side by side) into "
+                             "benchmarks/README.md, with the first one's plot")
     args = parser.parse_args(argv)
     args.out = args.out or HERE / "results" / ("stall-quick" if args.quick else "stall")
     if args.quick:
@@ -279,9 +304,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    results = args.out / "stall.json"
-    if args.readme:
-        write_readme(json.loads(results.read_text()), args.out)
+    if args.readme is not None:
+        dirs = args.readme or [args.out]
+        write_readme(merge([json.loads((d / "stall.json").read_text()) for d in dirs]), dirs[0])
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     grid = [(a, d) for a in args.arch.split(",") for d in args.dtype.split(",")]
@@ -290,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = [run_cell(arch, dtype, args, bar) for arch, dtype in grid]
     summary = {"cells": cells, "runs": args.runs, "wall_s": round(time.perf_counter() - started, 1),
                "finished": datetime.datetime.now().isoformat(timespec="seconds"), "argv": sys.argv[1:]}
-    results.write_text(json.dumps(summary, indent=1))
+    (args.out / "stall.json").write_text(json.dumps(summary, indent=1))
     (args.out / "stall.md").write_text(heading(summary) + "\n" + render(summary))
     plot(cells, args.out / PLOT)
     print(heading(summary) + "\n" + render(summary))
