@@ -25,12 +25,14 @@ from vlmserve.api.state import ServerState
 log = logging.getLogger(__name__)
 
 
-def create_app(state: ServerState, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
-    """The app starts every engine in the background (``/ready`` says when) and stops them on exit."""
+def create_app(state: ServerState, on_fatal: Callable[[str], None] | None = None,
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The app starts every engine in the background (``/ready`` says when; then ``on_ready`` runs)
+    and stops them on exit."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        starting = asyncio.create_task(_start_engines(state, on_fatal))
+        starting = asyncio.create_task(_start_engines(state, on_fatal, on_ready))
         try:
             yield
         finally:
@@ -51,7 +53,8 @@ def create_app(state: ServerState, on_fatal: Callable[[str], None] | None = None
     return app
 
 
-async def _start_engines(state: ServerState, on_fatal: Callable[[str], None] | None) -> None:
+async def _start_engines(state: ServerState, on_fatal: Callable[[str], None] | None,
+                         on_ready: Callable[[], None] | None) -> None:
     for served in state.models:
         try:
             await served.engine.start()
@@ -62,6 +65,8 @@ async def _start_engines(state: ServerState, on_fatal: Callable[[str], None] | N
                 on_fatal(message)
             return
         log.info("model %s ready (tool parser: %s)", served.name, served.tool_parser)
+    if on_ready is not None:
+        on_ready()
 
 
 async def stop_engines(state: ServerState, message: str) -> None:
