@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import subprocess
 import sys
+from dataclasses import field, make_dataclass
+from typing import Any
 
 import pytest
 from conftest import scene
@@ -86,7 +89,7 @@ def test_every_option_shows_its_default_and_its_choices(command):
         if not action.option_strings or action.help == "show this help message and exit":
             continue
         shown = " ".join(action.help.split())
-        if action.default not in (None, False, [], "==SUPPRESS=="):
+        if action.default is not None and action.default is not False and action.default not in ([], "==SUPPRESS=="):
             assert "default" in shown.lower() or f"(default: {action.default})" in " ".join(text.split()), action.dest
         if action.choices:
             assert "{" + ",".join(map(str, action.choices)) + "}" in text, action.dest
@@ -121,6 +124,56 @@ def test_serve_defaults_are_the_config_dataclasses_own(monkeypatch: pytest.Monke
     for flag, value in flags.items():
         after = text.rsplit(f"{flag} {flag.lstrip('-').upper().replace('-', '_')}", 1)[1]  # the option's help
         assert f"(default: {value})" in after.split(" --", 1)[0], flag
+
+
+def _changed(cls: type, **defaults: Any) -> type:
+    """``cls`` with other defaults: what editing the one place each is written does."""
+    return make_dataclass(f"Changed{cls.__name__}", [(k, Any, field(default=v)) for k, v in defaults.items()],
+                          bases=(cls,), frozen=True)
+
+
+def _option_help(parser: argparse.ArgumentParser, flag: str) -> str:
+    """The option's lines of ``--help``, as argparse prints them, on one line."""
+    formatter = parser._get_formatter()  # noqa: SLF001
+    formatter.add_argument(next(a for a in parser._actions if flag in a.option_strings))  # noqa: SLF001
+    return " ".join(formatter.format_help().split())
+
+
+def test_a_default_changed_in_its_dataclass_changes_the_flag_and_its_help(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vlmserve import cli
+    from vlmserve.config import CaptionConfig, EngineConfig, ServeConfig
+
+    engine = _changed(EngineConfig, max_batch_size=3, max_queue=5, prefill_chunk=96, stream_step_share=1.5,
+                      encoder_budget=2, vision_cache_bytes=96 << 20, stall_timeout_s=7.5, dtype="float16")
+    serve = _changed(ServeConfig, host="0.0.0.0", port=8123, default_max_tokens=77, max_request_bytes=3 << 20,
+                     shutdown_timeout=2.5, log_level="debug")
+    serve = make_dataclass("ChangedServeConfig", [("engine", Any, field(default_factory=engine))], bases=(serve,),
+                           frozen=True)
+    caption = _changed(CaptionConfig, prompt="What is it?", max_tokens=9, temperature=0.5, dtype="model")
+
+    def build_model(arch: str = "qwen2_vl", size: str = "small", *, seed: int = 7, quant_bits: int = 4) -> None: ...
+
+    for name, value in [("EngineConfig", engine), ("ServeConfig", serve), ("CaptionConfig", caption),
+                        ("build_model", build_model)]:
+        monkeypatch.setattr(cli, name, value)
+    monkeypatch.delenv("VLMSERVE_API_KEY", raising=False)
+    parser = cli._parser()  # noqa: SLF001
+    assert cli.serve_config(parser.parse_args(["serve"])) == serve()
+    shown = {"serve": {"--max-batch-size": 3, "--max-queue": 5, "--prefill-chunk": 96, "--stream-step-share": 1.5,
+                       "--encoder-budget": 2, "--vision-cache-mb": 96.0, "--stream-stall-timeout": 7.5,
+                       "--dtype": "float16", "--host": "0.0.0.0", "--port": 8123, "--default-max-tokens": 77,
+                       "--max-request-mb": 3.0, "--shutdown-timeout": 2.5},
+             "caption": {"--prompt": "What is it?", "--max-tokens": 9, "--temperature": 0.5, "--dtype": "model"},
+             "build-model": {"--arch": "qwen2_vl", "--size": "small", "--seed": 7, "--quant-bits": 4}}
+    commands = next(a for a in parser._actions if isinstance(a.choices, dict)).choices  # noqa: SLF001
+    for command, flags in shown.items():
+        for flag, value in flags.items():
+            assert f"(default: {value})" in _option_help(commands[command], flag), (command, flag)
+    args = parser.parse_args(["build-model"])
+    assert (args.arch, args.size, args.seed, args.quant_bits) == ("qwen2_vl", "small", 7, 4)
+    args = parser.parse_args(["caption", "x.png"])
+    assert (args.prompt, args.max_tokens, args.temperature, args.dtype) == ("What is it?", 9, 0.5, "model")
+    assert "(default: debug for serve, warning otherwise)" in _option_help(parser, "--log-level")
 
 
 def _help(command: str) -> str:

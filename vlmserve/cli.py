@@ -18,10 +18,11 @@ from vlmserve.config import (
     EngineConfig,
     ServeConfig,
     field_default,
+    param_default,
     resolve_model,
     usage_error,
 )
-from vlmserve.testing.build import ARCHS, SIZES
+from vlmserve.testing.build import ARCHS, SIZES, build_model
 from vlmserve.tools.registry import ALIASES, PARSERS
 
 TOOL_PARSERS = (*PARSERS, *ALIASES)
@@ -36,13 +37,15 @@ def main(argv: list[str] | None = None) -> int:
         from vlmserve.blas import reexec_with_openblas
 
         reexec_with_openblas(sys.argv[1:])  # returns only when it does not restart
-    args.log_level = args.log_level or ("info" if args.func is _serve_command else "warning")
+    serving = args.func is _serve_command
+    args.log_level = args.log_level or (field_default(ServeConfig, "log_level") if serving else LOG_LEVEL)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=LOG_FORMAT)
     return args.func(args)
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVEL = "warning"  # every command's but serve's, whose is ServeConfig.log_level
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -50,7 +53,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS  # not 0
+        if "default" in text or unset or not action.option_strings:
             return text
         return text + " (default: %(default)s)"
 
@@ -62,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"vlmserve {__version__}")
     parser.add_argument("--log-level", default=None, choices=LOG_LEVELS,
-                        help="log verbosity (default: info for serve, warning otherwise)")
+                        help=f"log verbosity (default: {field_default(ServeConfig, 'log_level')} for serve, "
+                             f"{LOG_LEVEL} otherwise)")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     cap = sub.add_parser("caption", help="caption one image and print the text as it is generated")
@@ -79,12 +84,13 @@ def _parser() -> argparse.ArgumentParser:
     _serve_parser(sub.add_parser("serve", help="serve an OpenAI-compatible API"))
 
     build = sub.add_parser("build-model", help="build a small offline model (random weights) in HF layout")
-    build.add_argument("--arch", default="gemma4", choices=ARCHS, help="an mlx-vlm model_type")
-    build.add_argument("--size", default="micro", choices=SIZES, help="the model's size")
+    build.add_argument("--arch", default=param_default(build_model, "arch"), choices=ARCHS, help="an mlx-vlm model_type")
+    build.add_argument("--size", default=param_default(build_model, "size"), choices=SIZES, help="the model's size")
     build.add_argument("--out", type=Path, default=None, help="directory (default: the shared model cache)")
-    build.add_argument("--seed", type=int, default=0, help="random weights' seed")
+    build.add_argument("--seed", type=int, default=param_default(build_model, "seed"), help="random weights' seed")
     build.add_argument("--ignore-eos", action="store_true", help="the model never emits EOS (benchmarks)")
-    build.add_argument("--quant-bits", type=int, default=0, choices=(0, 4, 8), help="quantize as mlx_vlm.convert -q (0: no)")
+    build.add_argument("--quant-bits", type=int, default=param_default(build_model, "quant_bits"), choices=(0, 4, 8),
+                       help="quantize as mlx_vlm.convert -q (0: no)")
     build.add_argument("--tools", action="store_true", help="tune it to answer one tool round trip")
     build.add_argument("--force", action="store_true", help="rebuild even when the model exists")
     build.set_defaults(func=_build_command)
@@ -186,8 +192,6 @@ def _serve_command(args: argparse.Namespace) -> int:
 
 
 def _build_command(args: argparse.Namespace) -> int:
-    from vlmserve.testing import build_model
-
     try:
         path = build_model(args.arch, args.size, out=args.out, seed=args.seed, ignore_eos=args.ignore_eos,
                            quant_bits=args.quant_bits, tools=args.tools, force=args.force)

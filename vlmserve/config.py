@@ -6,8 +6,10 @@ flags and help read them from there (``field_default``).
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -22,7 +24,8 @@ DEFAULT_PROMPT = "Describe this image."
 EXIT_USAGE = 2  # the exit status of a command line that cannot run, as argparse's
 
 
-__all__ = ["DEFAULT_DTYPE", "DTYPES", "CaptionConfig", "EngineConfig", "ServeConfig", "field_default", "usage_error"]
+__all__ = ["DEFAULT_DTYPE", "DTYPES", "CaptionConfig", "EngineConfig", "ServeConfig", "field_default", "param_default",
+           "usage_error"]
 
 
 def field_default(cls: type, name: str) -> Any:
@@ -31,6 +34,13 @@ def field_default(cls: type, name: str) -> Any:
         if f.name == name:
             return f.default
     raise KeyError(f"{cls.__name__} has no field {name!r}")
+
+
+def param_default(func: Callable[..., Any], name: str) -> Any:
+    """The default of ``func``'s parameter ``name``, for a command whose defaults live in a signature."""
+    default = inspect.signature(func).parameters[name].default
+    assert default is not inspect.Parameter.empty, f"{func.__name__}({name}) has no default"
+    return default
 
 
 def usage_error(message: str) -> int:
