@@ -130,6 +130,8 @@ class PromptBuilder:
     processor: Any
     template: TemplateInfo = TemplateInfo()
     control: ControlTokens = ControlTokens()
+    # Copies, not a lock (measured): a copy is 1-6 ms here, ~0.6 s and 24 MiB for a 200k vocabulary, once at start-up;
+    # one lock made 4 threads' image prompts 1.45x slower (2 cores) and a decode wait ~0.5 s behind 140k-token ones.
     spares: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue, compare=False, repr=False)
 
     @classmethod
