@@ -27,7 +27,7 @@ class PrefixCacheStats:
 class PrefixCache:
     """An LRU of per-request KV caches bounded in entries and bytes (mlx-lm's trie-backed LRU)."""
 
-    def __init__(self, max_entries: int = 32, max_bytes: int = 1 << 30) -> None:
+    def __init__(self, max_entries: int, max_bytes: int) -> None:  # EngineConfig's prefix_cache_*
         self._lru = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
         self.hits = 0
         self.misses = 0

@@ -80,12 +80,10 @@ class GuideCompiler:
         if spec.kind == "regex" and not self._after_thinking:
             return LLMatcher.grammar_from_regex(spec.value)
         if spec.kind == "tool_call":
-
             lark = tool_call_lark(spec.value["format"], spec.value["tools"], self._tokenizer)
         else:
             lark = "start: answer\nanswer: " + self._body(spec)
         if self._after_thinking:
-
             lark = lark.replace("start:", f'start: {marker(self._tokenizer, "</think>")} "\\n\\n" body\nbody:', 1)
         return LLMatcher.grammar_from_lark(lark)
 
