@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     for arch in args.arch.split(","):
         name = f"compare-{arch}{'-openblas' if args.openblas else ''}{'-f32' if args.dtype == 'float32' else ''}"
         name += "-quick" if args.quick else ""
-        out = (args.out or HERE / "results") / name
+        out = (args.out or HERE / "results").resolve() / name  # step_bench runs with cwd=benchmarks/
         out.mkdir(parents=True, exist_ok=True)
         if args.rerender:
             summary = json.loads((out / "compare.json").read_text())
