@@ -118,3 +118,52 @@ def test_a_second_signal_stops_at_once(gemma4_micro, tmp_path, second):
         t.join(30)
     assert rc == 0 and took < 30
     assert all(_finishes(stream)[0] == "error" for stream in events)
+
+
+def test_every_request_the_drain_ends_gets_503_shutting_down(gemma4_micro, tmp_path):
+    """Queued and running, streamed and not: each request the drain ends says ``shutting_down`` (a 503,
+    or an error event with that code and then [DONE] once a stream has begun), never a 500 engine_error."""
+    server = start_server(["--model", str(gemma4_micro), "--shutdown-timeout", "1", "--max-batch-size", "2"],
+                          tmp_path / "server.log")
+    body = {"model": gemma4_micro.name, "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 20000,
+            "ignore_eos": True}
+    streams: dict[int, tuple[int, list[str]]] = {}
+    plain: dict[int, httpx.Response] = {}
+    running = [threading.Event() for _ in range(2)]
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                if i < 2 and '"content":"' in line and '"content":""' not in line:
+                    running[i].set()
+            streams[i] = (r.status_code, lines)
+
+    def post(i: int) -> None:
+        plain[i] = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+
+    first = [threading.Thread(target=stream, args=(i,)) for i in range(2)]  # the batch's 2 slots
+    for t in first:
+        t.start()
+    assert all(e.wait(120) for e in running)
+    queued = [threading.Thread(target=stream, args=(i,)) for i in (2, 3)] + [threading.Thread(target=post, args=(i,))
+                                                                           for i in (0, 1)]
+    for t in queued:
+        t.start()
+    time.sleep(0.5)  # they wait for a slot
+    rc, _ = _sigterm_and_time_exit(server)
+    for t in first + queued:
+        t.join(30)
+    assert rc == 0
+    for i in (0, 1):  # running streams: an error event with the code, then [DONE]
+        status, lines = streams[i]
+        data = [line[6:] for line in lines if line.startswith("data: ")]
+        assert status == 200 and data[-1] == "[DONE]", data[-2:]
+        assert json.loads(data[-2])["error"]["code"] == "shutting_down"
+    for i in (2, 3):  # queued streams: nothing was sent yet, so a status
+        status, lines = streams[i]
+        assert status == 503 and json.loads("".join(lines))["error"]["code"] == "shutting_down"
+    for response in plain.values():
+        assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down"
+    assert "engine_error" not in server.log

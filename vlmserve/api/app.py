@@ -70,7 +70,8 @@ async def _start_engines(state: ServerState, on_fatal: Callable[[str], None] | N
 
 
 async def stop_engines(state: ServerState, message: str) -> None:
-    """Every waiting request gets an error; every worker joins."""
+    """Every waiting request gets an error (``shutting_down``: the server is draining); every worker joins."""
+    state.draining = True
     await asyncio.gather(*(m.engine.shutdown(message) for m in state.models), return_exceptions=True)
 
 

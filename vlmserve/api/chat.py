@@ -137,7 +137,7 @@ async def _first_output(stream: AsyncGenerator[RequestOutput, None], call: Call)
     except EngineNotReadyError as exc:
         raise failed(call, APIError(503, str(exc), "service_unavailable", None, "not_ready")) from None
     if first.finish_reason == "error":
-        raise failed(call, engine_fault(call.builder.id, first.error))
+        raise failed(call, engine_fault(call.builder.id, first.error, call.state.draining))
     call.observe(first)
     return first
 
@@ -148,7 +148,12 @@ def failed(call: Call, error: APIError) -> APIError:
     return error
 
 
-def engine_fault(request_id: str, message: str | None) -> APIError:
+def engine_fault(request_id: str, message: str | None, draining: bool = False) -> APIError:
+    """How a request the engine ended with an error is answered: a fault is a 500; a request the
+    server's drain ended (queued or running) is a 503 ``shutting_down``, as a new one would be."""
+    if draining:
+        return APIError(503, f"request {request_id} was ended: the server is shutting down; retry on another "
+                             "replica", "service_unavailable", None, "shutting_down")
     return APIError(500, f"request {request_id} failed in the engine: {message}", "server_error", None, "engine_error")
 
 
@@ -167,7 +172,7 @@ async def run_to_end(call: Call, first: RequestOutput, stream: AsyncGenerator[Re
             call.observe(out)
             call.builder.step(out)
         if out.finish_reason == "error":
-            raise failed(call, engine_fault(call.builder.id, out.error))
+            raise failed(call, engine_fault(call.builder.id, out.error, call.state.draining))
         call.finish = call.builder.finish_reason(out.finish_reason)
         call.done(call.finish)
         return out
@@ -208,7 +213,7 @@ async def _sse(call: Call, first: RequestOutput, stream: AsyncGenerator[RequestO
         while out is not None:
             if out.finish_reason == "error":
                 status = "error"
-                yield sse_event(engine_fault(b.id, out.error).body())
+                yield sse_event(engine_fault(b.id, out.error, call.state.draining).body())
                 break
             for chunk in _chunks(b, out, call):
                 yield sse_event(chunk)

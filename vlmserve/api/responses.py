@@ -184,9 +184,9 @@ async def _events(call: Call, first: RequestOutput, stream: AsyncGenerator[Reque
         while True:
             if out.finish_reason == "error":
                 status = "error"
-                error = engine_fault(b.id, out.error)
+                error = engine_fault(b.id, out.error, call.state.draining)
                 yield ev.event("response.failed", response=shape.response(
-                    call, "failed", ev.items, {"code": "server_error", "message": error.message}))
+                    call, "failed", ev.items, {"code": error.code or "server_error", "message": error.message}))
                 return
             delta = b.step(out)
             for chunk in _delta_events(ev, delta):
