@@ -21,6 +21,7 @@ from vlmserve.api.responses import create_response
 from vlmserve.api.responses_input import ResponsesRequest
 from vlmserve.api.schemas import ChatCompletionRequest
 from vlmserve.api.state import ServerState
+from vlmserve.frontend.async_engine import STARTING_RETRY_S
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,10 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/ready")
     async def ready() -> JSONResponse:
         models = {m.name: _engine_status(m.engine) for m in state.models}
-        return JSONResponse({"ready": state.ready, "models": models}, status_code=200 if state.ready else 503)
+        loading = not state.ready and not state.draining and any(m.engine.starting for m in state.models)
+        headers = {"Retry-After": str(STARTING_RETRY_S)} if loading else None
+        return JSONResponse({"ready": state.ready, "models": models}, status_code=200 if state.ready else 503,
+                            headers=headers)
 
     @app.get("/metrics")
     async def metrics() -> Response:

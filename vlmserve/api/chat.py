@@ -133,9 +133,9 @@ async def _first_output(stream: AsyncGenerator[RequestOutput, None], call: Call)
     except OverBudgetError as exc:
         raise failed(call, bad_request(str(exc), "max_tokens", "kv_budget_exceeded")) from None
     except EngineOverloadedError as exc:
-        raise failed(call, APIError(429, str(exc), "rate_limit_error", None, "overloaded")) from None
+        raise failed(call, APIError(429, str(exc), "rate_limit_error", None, "overloaded", exc.retry_after_s)) from None
     except EngineNotReadyError as exc:
-        raise failed(call, APIError(503, str(exc), "service_unavailable", None, "not_ready")) from None
+        raise failed(call, APIError(503, str(exc), "service_unavailable", None, "not_ready", exc.retry_after_s)) from None
     if first.finish_reason == "error":
         raise failed(call, engine_fault(call.builder.id, first.error, call.state.draining))
     call.observe(first)

@@ -10,6 +10,7 @@ import asyncio
 import copy
 import itertools
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,11 +41,23 @@ class EngineError(RuntimeError):
 
 
 class EngineOverloadedError(EngineError):
-    """Too many requests in flight; retry later (the API answers 429)."""
+    """Too many requests in flight; retry in ``retry_after_s`` (the API answers 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class EngineNotReadyError(EngineError):
-    """The engine is starting, shut down, or its worker died (the API answers 503)."""
+    """The engine is starting (``retry_after_s`` set), shut down, or its worker died (the API answers 503)."""
+
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+STARTING_RETRY_S = 5  # Retry-After while a model loads: its load time is not known until it is done
+_AVERAGE = 0.2  # weight of the newest request in the running average of request durations
 
 
 class PromptTooLongError(ValueError):
@@ -78,6 +91,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue[StepOutput]] = {}
         self._busy_since: dict[str, float] = {}  # when each consumer last took an output (absent: waiting for one)
+        self._request_s = 0.0  # running average of a served request's duration, admission to end
         self.stalled = 0  # requests aborted because their consumer stopped reading
         self.on_step: Callable[[EngineMetrics], None] | None = None  # on the loop, once per engine step
         self._metrics = EngineMetrics()
@@ -199,6 +213,7 @@ class AsyncEngine:
                        params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs for one request; cancelling the consumer aborts the request."""
         self._admit(request_id)
+        admitted = time.monotonic()
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._streams[request_id] = q
         submitted = engine_done = False
@@ -223,6 +238,9 @@ class AsyncEngine:
             self._busy_since.pop(request_id, None)
             if submitted and not engine_done:
                 self.abort(request_id)  # disconnect, break or stop string: the worker frees the slot
+            elif engine_done:
+                took = time.monotonic() - admitted
+                self._request_s = took if not self._request_s else (1 - _AVERAGE) * self._request_s + _AVERAGE * took
 
     async def guide(self, spec: GuideSpec) -> Guide:
         """The compiled grammar for ``spec`` (on the pool; cached per model); GuideError if invalid."""
@@ -241,12 +259,24 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if len(self._streams) >= self.config.max_batch_size + self.config.max_queue:
             raise EngineOverloadedError(
-                f"model {self.name!r} is overloaded: {len(self._streams)} requests in flight; retry later"
-            )
+                f"model {self.name!r} is overloaded: {len(self._streams)} requests in flight; retry later",
+                self.retry_after_s())
+
+    def retry_after_s(self) -> int:
+        """When a full queue will likely have room: one of the batch's requests ends about every
+        (mean request duration / batch size) seconds. At least 1, at most 60."""
+        return max(1, min(60, math.ceil(self._request_s / self.config.max_batch_size)))
+
+    @property
+    def starting(self) -> bool:
+        """Loading or warming up: it will be ready (unlike a shut-down or dead engine)."""
+        return not self.ready and self.dead_reason is None
 
     def _check_alive(self) -> EngineCore:
         if self.core is None or self.dead_reason is not None or not self.worker.alive:
-            raise EngineNotReadyError(f"model {self.name!r} is not available: {self.dead_reason or 'not started'}")
+            retry = STARTING_RETRY_S if self.starting else None
+            raise EngineNotReadyError(f"model {self.name!r} is not available: {self.dead_reason or 'not started'}",
+                                      retry)
         return self.core
 
     async def _phase1(self, prompt: PromptInputs | PromptFactory) -> PromptInputs:
