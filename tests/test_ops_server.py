@@ -92,6 +92,35 @@ def test_a_client_that_stops_reading_loses_its_slot_and_others_keep_going(ops_se
         stuck.close()
 
 
+def test_a_client_that_stops_reading_after_the_last_token_is_released_too(ops_server, gemma4_micro):
+    """Issue 31: the stall check ran only when a token arrived, so a request whose engine work was done
+    (its last token waiting on a full socket) stayed in flight forever. It is checked on a timer now."""
+    body = json.dumps({"model": gemma4_micro.name, "messages": [{"role": "user", "content": "go"}], "stream": True,
+                       "max_tokens": 150, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}).encode()
+    stalled = _metric(ops_server, "vlmserve_stalled_requests_total")
+    stuck = socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.connect(("127.0.0.1", ops_server.port))
+    stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+                  + b"\r\n\r\n" + body)
+    try:
+        start = time.monotonic()
+        while _metric(ops_server, "vlmserve_requests_in_flight") < 1:  # admitted
+            assert time.monotonic() - start < 60
+            time.sleep(0.02)
+        while _metric(ops_server, "vlmserve_running_requests") > 0:  # the engine is done with it: 150 tokens
+            assert time.monotonic() - start < 60
+            time.sleep(0.02)
+        while _metric(ops_server, "vlmserve_requests_in_flight") > 0:  # ~250 KB of chunks wait on a full socket
+            assert time.monotonic() - start < 30, "a client that reads nothing keeps its place in flight"
+            time.sleep(0.1)
+        assert _metric(ops_server, "vlmserve_stalled_requests_total") == stalled + 1
+        assert "stalled: its client read nothing" in ops_server.log
+    finally:
+        stuck.close()
+
+
 def test_the_api_key_comes_from_the_environment(ops_server, gemma4_micro):
     body = {"model": gemma4_micro.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert _post(ops_server, body, key=None).status_code == 401

@@ -92,6 +92,7 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue[StepOutput]] = {}
         self._busy_since: dict[str, float] = {}  # when each consumer last took an output (absent: waiting for one)
         self._request_s = 0.0  # running average of a served request's duration, admission to end
+        self._watchdog: asyncio.Task[None] | None = None  # releases consumers that stopped taking outputs
         self.stalled = 0  # requests aborted because their consumer stopped reading
         self.on_step: Callable[[EngineMetrics], None] | None = None  # on the loop, once per engine step
         self._metrics = EngineMetrics()
@@ -123,6 +124,7 @@ class AsyncEngine:
         costs = await self.worker.run(self.core.measure_costs, probe)
         self._metrics = await self.worker.run(self.core.snapshot)  # not the warm-up's last step
         self.ready = True
+        self._watchdog = asyncio.create_task(self._watch_consumers())
         log.info("model %s (%s): loaded in %.2f s, warmed up in %.2f s; KV cache %.1f KiB per position, budget %.2f GiB",
                  self.name, self.loaded.model_type, loaded - began, time.perf_counter() - loaded,
                  self.kv.footprint.per_position / 1024, (self.kv.limit_bytes or 0) / 2**30)
@@ -175,6 +177,8 @@ class AsyncEngine:
 
     async def shutdown(self, message: str = "engine is shutting down") -> None:
         """Wake every waiting request with an error, stop the worker and join it."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         self.ready = False
         self.dead_reason = self.dead_reason or message
         self._fail_streams(message)
@@ -319,11 +323,27 @@ class AsyncEngine:
             else:
                 q.put_nowait(out)
 
+    async def _watch_consumers(self) -> None:
+        """On a timer, not on token arrival: a consumer that has held an output for longer than the
+        stall timeout (its client reads nothing, so its stream cannot be written) is released, the
+        last token's output included, when nothing more would arrive to notice it."""
+        every = min(1.0, self.config.stall_timeout_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for request_id, busy in list(self._busy_since.items()):
+                q = self._streams.get(request_id)
+                if q is not None and now - busy > self.config.stall_timeout_s:
+                    self._abort_stalled(request_id, q, now - busy)
+
     def _abort_stalled(self, request_id: str, q: asyncio.Queue[StepOutput], idle_s: float) -> None:
-        """A consumer (a client that stopped reading its stream) holds its batch slot no longer: the
-        request is aborted and forgotten; the consumer finds an error after what it has not read."""
+        """A consumer (a client that stopped reading its stream) holds its batch slot and its place in
+        flight no longer: the request is aborted and forgotten; the consumer finds an error after what
+        it has not read."""
         self.stalled += 1
-        log.warning("request %s: its client read nothing for %.1f s; aborted", request_id, idle_s)
+        log.warning("request %s: stalled: its client read nothing for %.1f s; aborted and released", request_id,
+                    idle_s)
+        self._busy_since.pop(request_id, None)
         self.abort(request_id)
         q.put_nowait(StepOutput(request_id, finish_reason="error",
                                 error=f"the client read nothing for {idle_s:.0f} s; the request was aborted"))
