@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -121,6 +122,27 @@ def test_api_key(gemma4_micro, tmp_path):
         assert httpx.get(srv.url + "/health").status_code == 200  # probes need no key
         good = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
         assert good.chat.completions.create(**kwargs).choices[0].message is not None
+    finally:
+        srv.stop()
+
+
+def test_the_key_is_checked_before_the_body_is_read(gemma4_micro, tmp_path):
+    """A refused request costs no body: bad JSON without a key is a 401, not a 400, and a 50 MB body
+    that has sent only its first KB is refused without the rest (issue 31)."""
+    srv = start_server(["--model", str(gemma4_micro), "--api-key", "s3cret"], tmp_path / "log")
+    try:
+        bad = httpx.post(srv.url + "/v1/chat/completions", content=b"{not json", timeout=10,
+                         headers={"Content-Type": "application/json"})
+        assert bad.status_code == 401 and bad.headers["WWW-Authenticate"] == "Bearer"
+        assert bad.json()["error"]["code"] == "invalid_api_key"
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 52428800\r\n\r\n{" + b" " * 1023)
+            head = sock.recv(4096).lower()  # a server that read the body first would wait for the other 50 MB
+        assert head.startswith(b"http/1.1 401") and b"www-authenticate: bearer" in head
+        ok = httpx.post(srv.url + "/v1/chat/completions", headers={"Authorization": "Bearer s3cret"}, timeout=60,
+                        json={"model": gemma4_micro.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert ok.status_code == 200
     finally:
         srv.stop()
 

@@ -10,7 +10,7 @@ import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -47,6 +47,8 @@ def create_app(state: ServerState, on_fatal: Callable[[str], None] | None = None
     app.state.vlmserve = state
     install_error_handlers(app, state.metrics)
     app.add_middleware(BodyLimit, max_bytes=state.config.max_request_bytes, on_reject=state.metrics.rejected)
+    if state.config.api_key is not None:  # outside the body limit: a refused request's body is never read
+        app.add_middleware(RequireKey, api_key=state.config.api_key, on_reject=state.metrics.rejected)
     if state.config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(state.config.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
@@ -77,7 +79,6 @@ async def stop_engines(state: ServerState, message: str) -> None:
 
 
 def _routes(app: FastAPI, state: ServerState) -> None:
-    auth = Depends(_auth(state))
     state.metrics.watch_engines(lambda: [(m.name, m.engine) for m in state.models])
 
     web = importlib.resources.files("vlmserve") / "web"
@@ -106,19 +107,19 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     def card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "vlmserve"}
 
-    @app.get("/v1/models", dependencies=[auth])
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [card(m.name) for m in state.models]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[auth])
+    @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         return card(state.model(model_id).name)
 
-    @app.post("/v1/chat/completions", dependencies=[auth])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(body, request, state)
 
-    @app.post("/v1/responses", dependencies=[auth])
+    @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Any:
         return await create_response(body, request, state)
 
@@ -129,18 +130,35 @@ def _engine_status(engine: Any) -> str:
     return f"failed: {engine.dead_reason}" if engine.dead_reason else "loading"
 
 
-def _auth(state: ServerState) -> Callable[[Request], None]:
-    def check(request: Request) -> None:
-        api_key = state.config.api_key
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not secrets.compare_digest(token.encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                           "invalid_request_error", None, "invalid_api_key")
+class RequireKey:
+    """The API key, checked from the headers of every ``/v1/`` request before any byte of its body is
+    read: a refused request costs no body memory (a 50 MB body without a key used to be read and
+    parsed first). 401 with ``WWW-Authenticate: Bearer``. CORS preflights pass."""
 
-    return check
+    def __init__(self, app: Any, api_key: str, on_reject: Callable[[int, str | None], None] | None = None) -> None:
+        self.app, self.key, self.on_reject = app, api_key.encode(), on_reject
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        token = header[7:] if header[:7].lower() == b"bearer " else b""
+        if secrets.compare_digest(token, self.key):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)", "invalid_request_error",
+                         None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        await _reject(error, scope, receive, send, self.on_reject)
+
+
+async def _reject(error: APIError, scope: dict[str, Any], receive: Any, send: Any,
+                  on_reject: Callable[[int, str | None], None] | None) -> None:
+    """Answer from a middleware, counted and logged as the app's error handlers do."""
+    if on_reject is not None:
+        on_reject(error.status, error.code)
+    log_rejection(scope.get("method", "-"), scope.get("path", "-"), error)
+    await error.response()(scope, receive, send)
 
 
 class BodyLimit:
@@ -156,7 +174,7 @@ class BodyLimit:
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._reject(self._too_large(), scope, receive, send)
+            return await _reject(self._too_large(), scope, receive, send, self.on_reject)
         received, rejected = 0, False
 
         async def checking_receive() -> dict[str, Any]:
@@ -167,7 +185,7 @@ class BodyLimit:
             error = self._too_large() if received > self.max_bytes else _not_utf8() if b"\x00" in body else None
             if error is not None and not rejected:
                 rejected = True
-                await self._reject(error, scope, receive, send)
+                await _reject(error, scope, receive, send, self.on_reject)
                 return {"type": "http.disconnect"}  # the app stops reading; what it sends is dropped
             return message
 
@@ -176,12 +194,6 @@ class BodyLimit:
                 await send(message)
 
         await self.app(scope, checking_receive, guarded_send)
-
-    async def _reject(self, error: APIError, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if self.on_reject is not None:
-            self.on_reject(error.status, error.code)
-        log_rejection(scope.get("method", "-"), scope.get("path", "-"), error)
-        await error.response()(scope, receive, send)
 
     def _too_large(self) -> APIError:
         return APIError(413, f"request body is over the {self.max_bytes}-byte limit", "invalid_request_error",

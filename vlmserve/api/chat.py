@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from vlmserve.api.errors import APIError, bad_request
+from vlmserve.api.errors import APIError, bad_request, retry_after
 from vlmserve.api.messages import ChatInput, guide_spec, to_chat_input, to_sampling_params
 from vlmserve.api.openai_format import ChoiceBuilder
 from vlmserve.api.schemas import ChatCompletionRequest
@@ -133,9 +133,11 @@ async def _first_output(stream: AsyncGenerator[RequestOutput, None], call: Call)
     except OverBudgetError as exc:
         raise failed(call, bad_request(str(exc), "max_tokens", "kv_budget_exceeded")) from None
     except EngineOverloadedError as exc:
-        raise failed(call, APIError(429, str(exc), "rate_limit_error", None, "overloaded", exc.retry_after_s)) from None
+        error = APIError(429, str(exc), "rate_limit_error", None, "overloaded", retry_after(exc.retry_after_s))
+        raise failed(call, error) from None
     except EngineNotReadyError as exc:
-        raise failed(call, APIError(503, str(exc), "service_unavailable", None, "not_ready", exc.retry_after_s)) from None
+        error = APIError(503, str(exc), "service_unavailable", None, "not_ready", retry_after(exc.retry_after_s))
+        raise failed(call, error) from None
     if first.finish_reason == "error":
         raise failed(call, engine_fault(call.builder.id, first.error, call.state.draining))
     call.observe(first)

@@ -19,18 +19,21 @@ class APIError(Exception):
     """An error the client should see, with its HTTP status and OpenAI error fields."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, retry_after_s: int | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.retry_after_s = retry_after_s  # sent as Retry-After (429, and 503 while a model loads)
+        self.headers = headers  # e.g. Retry-After (429, 503 while a model loads), WWW-Authenticate (401)
         self.logged = False
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def retry_after(seconds: int | None) -> dict[str, str] | None:
+    return {"Retry-After": str(seconds)} if seconds is not None else None
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
