@@ -146,7 +146,7 @@ def test_a_default_changed_in_its_dataclass_changes_the_flag_and_its_help(monkey
     engine = _changed(EngineConfig, max_batch_size=3, max_queue=5, prefill_chunk=96, stream_step_share=1.5,
                       encoder_budget=2, vision_cache_bytes=96 << 20, stall_timeout_s=7.5, dtype="float16")
     serve = _changed(ServeConfig, host="0.0.0.0", port=8123, default_max_tokens=77, max_request_bytes=3 << 20,
-                     shutdown_timeout=2.5, log_level="debug")
+                     shutdown_timeout=2.5, log_level="debug", header_timeout_s=3.5, keep_alive_timeout_s=4.5)
     serve = make_dataclass("ChangedServeConfig", [("engine", Any, field(default_factory=engine))], bases=(serve,),
                            frozen=True)
     caption = _changed(CaptionConfig, prompt="What is it?", max_tokens=9, temperature=0.5, dtype="model")
@@ -162,7 +162,8 @@ def test_a_default_changed_in_its_dataclass_changes_the_flag_and_its_help(monkey
     shown = {"serve": {"--max-batch-size": 3, "--max-queue": 5, "--prefill-chunk": 96, "--stream-step-share": 1.5,
                        "--encoder-budget": 2, "--vision-cache-mb": 96.0, "--stream-stall-timeout": 7.5,
                        "--dtype": "float16", "--host": "0.0.0.0", "--port": 8123, "--default-max-tokens": 77,
-                       "--max-request-mb": 3.0, "--shutdown-timeout": 2.5},
+                       "--max-request-mb": 3.0, "--shutdown-timeout": 2.5, "--header-timeout": 3.5,
+                       "--keep-alive-timeout": 4.5},
              "caption": {"--prompt": "What is it?", "--max-tokens": 9, "--temperature": 0.5, "--dtype": "model"},
              "build-model": {"--arch": "qwen2_vl", "--size": "small", "--seed": 7, "--quant-bits": 4}}
     commands = next(a for a in parser._actions if isinstance(a.choices, dict)).choices  # noqa: SLF001

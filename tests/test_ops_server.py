@@ -241,3 +241,41 @@ def test_accepted_connections_inherit_no_delay_and_a_small_send_buffer():
         client.close()
     finally:
         listener.close()
+
+
+def test_connections_that_send_their_headers_slowly_are_closed(gemma4_micro, tmp_path):
+    """Slowloris (issue 31): 20 connections sending a request's headers a byte at a time are closed
+    at the header deadline, while a normal request is served."""
+    server = start_server(["--model", str(gemma4_micro), "--header-timeout", "1"], tmp_path / "server.log")
+    slow = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(20)]
+    try:
+        start = time.monotonic()
+        closed: set[int] = set()
+        request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        for i in range(len(request)):
+            for n, sock in enumerate(slow):
+                if n in closed:
+                    continue
+                try:
+                    sock.sendall(request[i:i + 1])
+                    sock.setblocking(False)
+                    if sock.recv(1) == b"":
+                        closed.add(n)
+                except BlockingIOError:
+                    pass  # open, and nothing to read
+                except OSError:
+                    closed.add(n)
+                finally:
+                    sock.setblocking(True)
+            if len(closed) == len(slow) or time.monotonic() - start > 10:
+                break
+            time.sleep(0.1)
+        assert len(closed) == len(slow), f"{len(slow) - len(closed)} slow-header connections still open"
+        assert time.monotonic() - start < 10
+        ok = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": gemma4_micro.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        for sock in slow:
+            sock.close()
+        server.stop()

@@ -145,6 +145,10 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens (default: the model's)")
     srv.add_argument("--max-request-mb", type=float, default=serve.max_request_bytes / 2**20,
                      help="larger request bodies get 413")
+    srv.add_argument("--header-timeout", type=float, default=serve.header_timeout_s,
+                     help="seconds a new connection has to send its request's headers before it is closed")
+    srv.add_argument("--keep-alive-timeout", type=float, default=serve.keep_alive_timeout_s,
+                     help="seconds an idle kept-alive connection stays open")
     srv.add_argument("--shutdown-timeout", type=float, default=serve.shutdown_timeout,
                      help="seconds running requests get to finish after SIGTERM before they end with an error")
     srv.add_argument("--stream-stall-timeout", type=float, default=engine.stall_timeout_s,
@@ -159,8 +163,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
     if args.max_batch_size < 1 or args.max_queue < 0 or min(positive) < 1 or args.stream_step_share <= 0:
         return ("--max-batch-size, --prefill-chunk, --stream-prefill-chunk and --encoder-budget must be >= 1, "
                 "--max-queue >= 0 and --stream-step-share > 0")
-    if args.shutdown_timeout < 0 or args.stream_stall_timeout <= 0 or (args.kv_cache_gb or 1) <= 0:
-        return "--shutdown-timeout must be >= 0, --stream-stall-timeout and --kv-cache-gb > 0"
+    if args.shutdown_timeout < 0 or min(args.stream_stall_timeout, args.kv_cache_gb or 1, args.header_timeout,
+                                        args.keep_alive_timeout) <= 0:
+        return ("--shutdown-timeout must be >= 0; --stream-stall-timeout, --kv-cache-gb, --header-timeout and "
+                "--keep-alive-timeout > 0")
     if args.vision_cache_mb < 0:
         return "--vision-cache-mb must be >= 0"
     for directory in args.allowed_media_dir:
@@ -181,6 +187,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         max_request_bytes=int(args.max_request_mb * 2**20),
         log_level=args.log_level or field_default(ServeConfig, "log_level"),
         shutdown_timeout=args.shutdown_timeout, cors_origins=tuple(args.cors_origin), engine=engine,
+        header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
     )
 
 

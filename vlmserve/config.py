@@ -76,6 +76,8 @@ class ServeConfig:
     max_request_bytes: int = 64 << 20  # larger request bodies get 413
     log_level: str = "info"
     shutdown_timeout: float = 5.0  # seconds running requests get to finish after SIGTERM
+    header_timeout_s: float = 10.0  # a new connection's first request headers, or it is closed (slowloris)
+    keep_alive_timeout_s: float = 5.0  # an idle kept-alive connection is closed after this long
     cors_origins: tuple[str, ...] = ()
     engine: EngineConfig = field(default_factory=EngineConfig)
 

@@ -18,6 +18,7 @@ from vlmserve.api.app import create_app, stop_engines
 from vlmserve.api.state import ServedModel, ServerState, aliases_for
 from vlmserve.config import ServeConfig, resolve_model
 from vlmserve.frontend.async_engine import AsyncEngine
+from vlmserve.http_protocol import guarded_protocol
 from vlmserve.preprocess.media import MediaPolicy
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ def serve(config: ServeConfig) -> int:
     holder: list[_Server] = []
     app = create_app(state, on_fatal=lambda message: holder[0].fail(message), on_ready=freeze_heap)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                               timeout_graceful_shutdown=5, access_log=False,
+                               timeout_graceful_shutdown=5, access_log=False, http=guarded_protocol(config.header_timeout_s),
+                               timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]  # a delay
                                log_config=None)  # uvicorn logs through ours: timestamps, one format
     server = _Server(uv_config, state, config.shutdown_timeout)
     holder.append(server)
