@@ -142,25 +142,15 @@ class EngineCore:
             self.scheduler.stream_tokens = self.costs.stream_tokens()
             self.scheduler.pixel_tokens = self.costs.pixel_tokens()
         plan = self.scheduler.schedule()
-        pixels = self._pixels_encoded(plan)
         output = self.runner.execute(plan)
         self._apply(plan, output, self.scheduler.update_from_output(plan, output))
-        self.costs.observe_vision(pixels, output.vision_seconds)
+        self.costs.observe_vision(plan.encode_pixels, output.vision_seconds)
         if plan.decode:
             self.costs.observe(time.perf_counter() - start, self._prompt_work(plan), output.vision_seconds)
         # Counters first: whoever sees this step's outputs also sees the state they left behind.
         self._record(time.perf_counter() - start, not plan.empty)
         if self._pending or not plan.empty:
             self._publish()
-
-    def _pixels_encoded(self, plan: SchedulerOutput) -> float:
-        """The step's pixel values through the tower, each image's counted by the share of the blocks it ran."""
-        blocks, pixels = self.scheduler.config.vision_blocks, 0.0
-        for piece in plan.encode:
-            req = self.scheduler.get(piece.request_id)
-            share = 1.0 if piece.whole else ((piece.last_block or blocks) - piece.first_block) / blocks
-            pixels += share * (self.scheduler.encode_need(req)[1] if req is not None else 0)
-        return pixels
 
     def _prompt_work(self, plan: SchedulerOutput) -> float:
         """The step's prompt tokens, each counted by the share of the layers it ran through."""

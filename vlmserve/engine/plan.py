@@ -96,6 +96,7 @@ class SchedulerOutput:
     # Whole prompts that share one left-padded forward (two or more each); other chunks run alone.
     prefill_groups: list[list[str]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # ended since the last step: free their state
+    encode_pixels: float = 0.0  # pixel values the encodes put through the tower (a piece: its blocks' share)
 
     @property
     def empty(self) -> bool:

@@ -80,6 +80,7 @@ class Scheduler:
         self.caches = caches
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted: encoding, prefilling or decoding, in admission order
+        self._by_id: dict[str, Request] = {}  # the running ones, by id (a step looks each of them up)
         self._finished: list[str] = []  # ended since the last plan: the runner frees them next step
         self.stream_tokens = config.stream_prefill_chunk or config.prefill_chunk
         self.pixel_tokens = 0.0  # what the tower costs per pixel value, in prompt tokens' time (measured)
@@ -100,10 +101,7 @@ class Scheduler:
         return finished
 
     def get(self, request_id: str) -> Request | None:
-        for req in (*self.running, *self.waiting):
-            if req.request_id == request_id:
-                return req
-        return None
+        return self._by_id.get(request_id) or next((r for r in self.waiting if r.request_id == request_id), None)
 
     @property
     def kv_reserved_bytes(self) -> int:
@@ -123,8 +121,8 @@ class Scheduler:
         tokens = min(self.stream_tokens, self.config.prefill_chunk) if busy else self.config.prefill_chunk
         budgets = _Budgets(tokens, any(r.num_computed_layers for r in self.running))
         self._plan_prefill(budgets, {c.request_id for c in text})
-        images = self._plan_encode(self.config.encoder_budget, budgets.tokens, bool(budgets.prefill)) if busy \
-            else self._plan_encode(None, None, False)
+        images, out.encode_pixels = self._plan_encode(self.config.encoder_budget, budgets.tokens,
+                                                      bool(budgets.prefill)) if busy else self._plan_encode(None, None, False)
         out.encode, out.prefill = text + images, budgets.prefill
         out.prefill_groups = self._groups(out.prefill)
         return out
@@ -151,6 +149,7 @@ class Scheduler:
             req = self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._by_id[req.request_id] = req
             admitted.append(req)
         return admitted
 
@@ -166,27 +165,31 @@ class Scheduler:
         enabled = self.caches is not None and self.caches.prefix_enabled
         return enabled and self.config.reuses_prefix and not req.prompt.has_images
 
-    def _plan_encode(self, budget: int | None, tokens: int | None, others: bool) -> list[EncodeChunk]:
+    def _plan_encode(self, budget: int | None, tokens: int | None, others: bool) -> tuple[list[EncodeChunk], float]:
         """Image prompts to embed this step, in admission order: while ``budget`` images and ``tokens``
         (their time, in prompt tokens) last, or all of them when both are None. The step's first work
         always goes, whatever it costs; one image may go a few tower blocks a step where the family
-        allows it. Cached images cost nothing."""
+        allows it. Cached images cost nothing. Returns the chunks and the pixel values they put through
+        the tower (a piece: its share of the blocks), for the engine's cost average."""
         planned: list[EncodeChunk] = []
+        through = 0.0
         for req in self.running:
             if req.encoded or not req.num_images:
                 continue
+            images, pixels = self._encode_need(req)
             if budget is None or tokens is None:
                 planned.append(EncodeChunk(req.request_id))
+                through += pixels
                 continue
-            images, pixels = self.encode_need(req)
             first = not (planned or others)
             chunk = self._encode_chunk(req, images, pixels, tokens if not first else max(tokens, 1))
             spent = self._chunk_cost(chunk, pixels)
             if images and not first and (images > budget or spent > tokens):
                 break  # nobody overtakes it
             planned.append(chunk)
+            through += pixels * self._block_share(chunk)
             budget, tokens = (budget - images, tokens - spent) if chunk.whole else (0, 0)
-        return planned
+        return planned, through
 
     def _encode_chunk(self, req: Request, images: int, pixels: int, tokens: int) -> EncodeChunk:
         """A whole encode, or the next tower blocks of a prompt's one uncached image that ``tokens`` pay for."""
@@ -201,11 +204,13 @@ class Scheduler:
 
     def _chunk_cost(self, chunk: EncodeChunk, pixels: int) -> int:
         """An encode's time in prompt tokens: its pixels' share of the blocks it runs."""
-        blocks = max(self.config.vision_blocks, 1)
-        share = 1.0 if chunk.whole else ((chunk.last_block or blocks) - chunk.first_block) / blocks
-        return math.ceil(pixels * self.pixel_tokens * share)
+        return math.ceil(pixels * self.pixel_tokens * self._block_share(chunk))
 
-    def encode_need(self, req: Request) -> tuple[int, int]:
+    def _block_share(self, chunk: EncodeChunk) -> float:
+        blocks = max(self.config.vision_blocks, 1)
+        return 1.0 if chunk.whole else ((chunk.last_block or blocks) - chunk.first_block) / blocks
+
+    def _encode_need(self, req: Request) -> tuple[int, int]:
         """Images of ``req`` that need the tower, and their pixel values."""
         if not req.num_images:
             return 0, 0
@@ -257,7 +262,7 @@ class Scheduler:
         """Whole prompts starting this step that may share one left-padded forward."""
         whole = []
         for chunk in chunks:
-            req = self._running(chunk.request_id)
+            req = self._by_id.get(chunk.request_id)
             if req is not None and req.batchable and chunk.start == 0 and chunk.final and chunk.first_layer == 0 \
                     and chunk.end == req.num_prompt_tokens:
                 whole.append(chunk.request_id)
@@ -269,18 +274,18 @@ class Scheduler:
         """Apply one step: embeddings made, prompt progress, each sampled token, failures."""
         updates = []
         for piece in plan.encode:
-            req = self._running(piece.request_id)
+            req = self._by_id.get(piece.request_id)
             if req is not None and piece.request_id not in output.errors:
                 req.encoded, req.num_encoded_blocks = piece.final, piece.last_block or 0
                 req.num_prompt_tokens = output.prompt_lengths.get(piece.request_id, req.num_prompt_tokens)
         for chunk in plan.prefill:
-            req = self._running(chunk.request_id)
+            req = self._by_id.get(chunk.request_id)
             if req is not None and chunk.request_id not in output.errors:
                 req.num_computed_layers = 0 if chunk.final else chunk.last_layer or 0
                 req.num_computed_tokens = chunk.end if chunk.final else req.num_computed_tokens
         touched = [*plan.encode_ids, *plan.decode, *(c.request_id for c in plan.prefill)]
         for request_id in dict.fromkeys(touched):
-            req = self._running(request_id)
+            req = self._by_id.get(request_id)
             if req is None:
                 continue
             if request_id in output.errors:
@@ -289,12 +294,6 @@ class Scheduler:
             elif (sample := output.samples.get(request_id)) is not None:
                 updates.append(self._take(req, sample.token_id))
         return updates
-
-    def _running(self, request_id: str) -> Request | None:
-        for req in self.running:
-            if req.request_id == request_id:
-                return req
-        return None
 
     def _take(self, req: Request, token: int) -> RequestUpdate:
         status = req.append_token(token)
@@ -311,6 +310,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+            del self._by_id[req.request_id]
             self._finished.append(req.request_id)
         req.status = status
 
