@@ -93,6 +93,7 @@ class AsyncEngine:
         self._busy_since: dict[str, float] = {}  # when each consumer last took an output (absent: waiting for one)
         self._request_s = 0.0  # running average of a served request's duration, admission to end
         self._watchdog: asyncio.Task[None] | None = None  # releases consumers that stopped taking outputs
+        self._start_ids: set[str] = set()  # the warm-up's own requests: the only ones served before ready
         self.stalled = 0  # requests aborted because their consumer stopped reading
         self.on_step: Callable[[EngineMetrics], None] | None = None  # on the loop, once per engine step
         self._metrics = EngineMetrics()
@@ -160,12 +161,14 @@ class AsyncEngine:
         for images in ([image], []):
             parts = [*({"type": "image"} for _ in images), {"type": "text", "text": "Hi"}]
             request_id = f"warmup-{next(_ids)}"
+            self._start_ids.add(request_id)
             try:
                 outputs = [o async for o in self.generate_chat(request_id, [{"role": "user", "content": parts}],
                                                                 images, None, params)]
             except Exception as exc:  # noqa: BLE001 - phase 1 or admission: the model cannot serve
                 raise self._warmup_failed(f"{type(exc).__name__}: {exc}") from exc
             finally:
+                self._start_ids.discard(request_id)
                 self.abort(request_id)  # whatever happened, the warm-up leaves nothing behind
             if not outputs or outputs[-1].error is not None:
                 raise self._warmup_failed(outputs[-1].error if outputs else "no output")
@@ -259,6 +262,8 @@ class AsyncEngine:
 
     def _admit(self, request_id: str) -> None:
         self._check_alive()
+        if not self.ready and request_id not in self._start_ids:  # warm-up and start-up measures need it alone
+            raise EngineNotReadyError(f"model {self.name!r} is loading", STARTING_RETRY_S)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if len(self._streams) >= self.config.max_batch_size + self.config.max_queue:
