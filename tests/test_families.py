@@ -9,19 +9,23 @@ that may be chunked is, and parity also proves chunked prefill right.
 from __future__ import annotations
 
 import asyncio
+import io
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import scene
+from PIL import Image, ImageDraw
 
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.params import PromptInputs, SamplingParams
 from vlmserve.engine.plan import EncodeChunk, NewRequest, SchedulerOutput
 from vlmserve.engine.vision_cache import VisionCache
 from vlmserve.frontend.async_engine import AsyncEngine
+from vlmserve.preprocess.images import decode_image
 from vlmserve.preprocess.prompt import PromptError
 from vlmserve.testing import ARCHS, build_model
 from vlmserve.testing.reference import reference_greedy
@@ -221,3 +225,39 @@ def test_four_bit_weights_match_mlx_vlm_on_the_same_weights(arch: str) -> None:
             assert family.run(family.tokens(f"q{i}", prompt)) == family.reference(prompt)
     finally:
         _stop(family)
+
+
+def image_bytes(image: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _photo(width: int, height: int) -> Any:
+    """A smooth picture with shapes, as a downscaled photo would be (no pixel-level noise)."""
+    image = Image.new("RGB", (width, height))
+    image.putdata([(255 * x // width, 255 * y // height, 128) for y in range(height) for x in range(width)])
+    draw = ImageDraw.Draw(image)
+    draw.ellipse((width // 8, height // 8, width // 2, height // 2), fill=(220, 30, 30))
+    draw.rectangle((width // 2, height // 2, 7 * width // 8, 7 * height // 8), fill=(30, 60, 220))
+    return image
+
+
+def test_large_images_are_decoded_no_smaller_than_the_processor_keeps(family: Family) -> None:
+    """Issue 31: an image larger than the processor uses is decoded at reduced size, never below its
+    limit (read from the family's own processor config): the prompt keeps its tokens and nearly its
+    pixels; an image the processor would not shrink reaches it unchanged, so parity holds exactly."""
+    limit = family.engine.prompter.image_limit
+    assert limit is not None, f"{family.arch}: no processor limit"
+    large = image_bytes(_photo(960, 720))
+    full, reduced = decode_image(large), decode_image(large, keep=limit)
+    assert reduced.width < full.width // 2, (family.arch, limit, reduced.size)
+    want, got = family.prompt("describe it", [full]), family.prompt("describe it", [reduced])
+    assert got.input_ids == want.input_ids
+    assert want.arrays.keys() == got.arrays.keys()
+    for key in (k for k in want.arrays if k.startswith("pixel_values")):  # not LLaVA-NeXT's original image_sizes
+        a, b = np.asarray(want.arrays[key], np.float32), np.asarray(got.arrays[key], np.float32)
+        assert a.shape == b.shape, key
+        assert float(np.abs(a - b).mean()) < 0.02 * float(np.abs(a).max()), (key, float(np.abs(a - b).mean()))
+    small = image_bytes(_photo(40, 30))
+    assert np.array_equal(np.asarray(decode_image(small, keep=limit)), np.asarray(decode_image(small)))

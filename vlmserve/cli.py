@@ -137,6 +137,11 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs (public addresses only)")
     srv.add_argument("--allowed-media-domains", nargs="+", action="extend", default=[], metavar="DOMAIN",
                      help="with --allow-remote-images: only these hosts (and their subdomains), which may then be private")
+    srv.add_argument("--max-image-pixels", type=_pixels, default=serve.max_image_pixels, metavar="PIXELS",
+                     help="larger images are refused (400) from their header, before any decoding (5e7: 50 MP)")
+    srv.add_argument("--decode-pixels", type=_pixels, default=serve.decode_pixels, metavar="PIXELS",
+                     help="image pixels being decoded at once, server-wide (each image is then shrunk to what its "
+                          "model's processor uses); later images wait their turn")
     srv.add_argument("--tool-parser", default=None, choices=TOOL_PARSERS,
                      help="the tool-call format (default: the chat template's, else the model family's)")
     srv.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache for text prompts off")
@@ -157,6 +162,11 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     srv.set_defaults(func=_serve_command, wants_openblas=True)
 
 
+def _pixels(text: str) -> int:
+    """A pixel count, whole or in exponent form (5e7)."""
+    return int(float(text))
+
+
 def serve_config(args: argparse.Namespace) -> ServeConfig | str:
     """The parsed ``serve`` command line as a config, or what is wrong with it."""
     positive = (args.prefill_chunk, args.encoder_budget, args.stream_prefill_chunk or 1)
@@ -169,6 +179,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
                 "--keep-alive-timeout > 0")
     if args.vision_cache_mb < 0:
         return "--vision-cache-mb must be >= 0"
+    if min(args.max_image_pixels, args.decode_pixels) < 1:
+        return "--max-image-pixels and --decode-pixels must be >= 1"
     for directory in args.allowed_media_dir:
         if not directory.is_dir():
             return f"--allowed-media-dir {directory}: not a directory"
@@ -188,6 +200,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         log_level=args.log_level or field_default(ServeConfig, "log_level"),
         shutdown_timeout=args.shutdown_timeout, cors_origins=tuple(args.cors_origin), engine=engine,
         header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+        max_image_pixels=args.max_image_pixels, decode_pixels=args.decode_pixels,
     )
 
 

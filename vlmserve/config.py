@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.engine.engine_config import DEFAULT_DTYPE, DTYPES, EngineConfig
+from vlmserve.preprocess.images import DEFAULT_MAX_PIXELS
+from vlmserve.preprocess.media import DEFAULT_DECODE_PIXELS
 
 DEFAULT_MODEL_NAME = "demo-gemma4"  # the model trained in-repo on shapes (vlmserve/assets/demo-gemma4)
 # Package data, so a wheel carries it; installed packages live on disk and mlx_vlm.load wants a path.
@@ -71,6 +73,8 @@ class ServeConfig:
     allowed_media_dirs: tuple[Path, ...] = ()
     allow_remote_images: bool = False
     allowed_media_domains: tuple[str, ...] = ()
+    max_image_pixels: int = DEFAULT_MAX_PIXELS  # larger images get 400 before they are decoded
+    decode_pixels: int = DEFAULT_DECODE_PIXELS  # image pixels being decoded at once, server-wide
     tool_parser: str | None = None
     default_max_tokens: int = 512  # max_tokens when a request gives none
     max_request_bytes: int = 64 << 20  # larger request bodies get 413

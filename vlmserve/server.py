@@ -19,6 +19,7 @@ from vlmserve.api.state import ServedModel, ServerState, aliases_for
 from vlmserve.config import ServeConfig, resolve_model
 from vlmserve.frontend.async_engine import AsyncEngine
 from vlmserve.http_protocol import guarded_protocol
+from vlmserve.preprocess.decode_budget import DecodeBudget
 from vlmserve.preprocess.media import MediaPolicy
 
 log = logging.getLogger(__name__)
@@ -27,13 +28,15 @@ SEND_BUFFER = 64 * 1024  # bytes the kernel buffers per connection toward a clie
 
 def build_state(config: ServeConfig) -> ServerState:
     pool = ThreadPoolExecutor(max_workers=config.engine.preprocess_threads, thread_name_prefix="preprocess")
+    images = ThreadPoolExecutor(max_workers=config.engine.image_threads, thread_name_prefix="preprocess-images")
     served = []
     for spec in config.models or (None,):
         path, name = resolve_model(spec)
-        engine = AsyncEngine(path, name, config.engine, pool)
+        engine = AsyncEngine(path, name, config.engine, pool, images)
         served.append(ServedModel(name, engine, aliases_for(path) if spec else ("default",), config.tool_parser))
     media = MediaPolicy(allowed_dirs=config.allowed_media_dirs, allow_remote=config.allow_remote_images,
-                        allowed_domains=config.allowed_media_domains)
+                        allowed_domains=config.allowed_media_domains, max_pixels=config.max_image_pixels,
+                        decoding=DecodeBudget(config.decode_pixels))
     return ServerState(served, media, config)
 
 

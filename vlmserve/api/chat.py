@@ -24,6 +24,7 @@ from vlmserve.engine.params import PromptInputs
 from vlmserve.frontend.async_engine import (
     EngineNotReadyError,
     EngineOverloadedError,
+    ImagePrompt,
     OverBudgetError,
     PromptFactory,
     PromptTooLongError,
@@ -37,14 +38,16 @@ from vlmserve.preprocess.prompt import PromptBuilder, PromptError
 log = logging.getLogger("vlmserve.requests")
 
 
-def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str) -> PromptFactory:
-    """Phase 1 for the pool: fetch and decode the images, then template and tokenize."""
+def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str) -> PromptFactory | ImagePrompt:
+    """Phase 1 for the pool: fetch and decode the images, then template and tokenize (a request with
+    images in the image lane)."""
 
     def make(prompter: PromptBuilder) -> PromptInputs:
-        images = [load_image_source(url, media, f"image {i + 1}") for i, url in enumerate(chat.image_urls)]
+        images = [load_image_source(url, media, f"image {i + 1}", prompter.image_limit)
+                  for i, url in enumerate(chat.image_urls)]
         return prompter.build(chat.messages, images, chat.tools, chat.instructions, request_id)
 
-    return make
+    return ImagePrompt(make) if chat.image_urls else make
 
 
 @dataclass(slots=True)

@@ -14,7 +14,8 @@ DEFAULT_DTYPE = "auto"
 class EngineConfig:
     max_batch_size: int = 8
     max_queue: int = 64  # requests waiting beyond the batch before submissions fail fast
-    preprocess_threads: int = 4  # phase 1's pool (chat template, tokenizer, images), shared by a server's models
+    preprocess_threads: int = 4  # phase 1's pool (chat template, tokenizer), shared by a server's models
+    image_threads: int = 2  # phase 1's image lane: requests with images, decoded and preprocessed apart from text
     prefill_chunk: int = 512  # prompt tokens per step (a prompt split by layers: its share of them)
     # While requests decode, a step's prompt work may take this many decode steps' time (engine/costs.py):
     stream_step_share: float = 2.0

@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from PIL import Image
@@ -34,6 +35,14 @@ from vlmserve.tools import select_parser
 log = logging.getLogger(__name__)
 _ids = itertools.count()
 PromptFactory = Callable[[PromptBuilder], PromptInputs]  # run on the pool
+
+
+@dataclass(slots=True, frozen=True)
+class ImagePrompt:
+    """A phase 1 that decodes images: it runs in the image lane (its own pool), so a text prompt never
+    queues behind a large image's decoding."""
+
+    build: PromptFactory
 
 
 class EngineError(RuntimeError):
@@ -72,11 +81,13 @@ class AsyncEngine:
     """One model: its worker thread, its EngineCore, and the asyncio side of every request."""
 
     def __init__(self, model: str, name: str | None = None, config: EngineConfig = EngineConfig(),
-                 pool: ThreadPoolExecutor | None = None) -> None:
+                 pool: ThreadPoolExecutor | None = None, image_pool: ThreadPoolExecutor | None = None) -> None:
         self.model_spec = model
         self.name = name or model
         self.config = config
         self._pool = pool or ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="preprocess")
+        self._image_pool = image_pool or ThreadPoolExecutor(max_workers=config.image_threads,
+                                                            thread_name_prefix="preprocess-images")
         self.worker = MLXWorkerThread(name=f"mlx-{self.name}")
         self.loaded: LoadedModel | None = None
         self.prompter: PromptBuilder | None = None
@@ -216,7 +227,7 @@ class AsyncEngine:
         """Chat messages (images as ``{"type": "image"}`` parts) -> a stream of outputs."""
         return self.generate(request_id, lambda p: p.build(messages, images, tools, request_id=request_id), params)
 
-    async def generate(self, request_id: str, prompt: PromptInputs | PromptFactory,
+    async def generate(self, request_id: str, prompt: PromptInputs | PromptFactory | ImagePrompt,
                        params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs for one request; cancelling the consumer aborts the request."""
         self._admit(request_id)
@@ -288,11 +299,13 @@ class AsyncEngine:
                                       retry)
         return self.core
 
-    async def _phase1(self, prompt: PromptInputs | PromptFactory) -> PromptInputs:
+    async def _phase1(self, prompt: PromptInputs | PromptFactory | ImagePrompt) -> PromptInputs:
         if isinstance(prompt, PromptInputs):
             return prompt
         prompter = self.prompter
         assert prompter is not None
+        if isinstance(prompt, ImagePrompt):
+            return await asyncio.get_running_loop().run_in_executor(self._image_pool, prompt.build, prompter)
         return await asyncio.get_running_loop().run_in_executor(self._pool, prompt, prompter)
 
     def _check_fits(self, prompt: PromptInputs, params: SamplingParams) -> None:

@@ -11,8 +11,12 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image
 
+from vlmserve.preprocess.decode_budget import DecodeBudget
+from vlmserve.preprocess.image_sizes import ProcessorLimit
 from vlmserve.preprocess.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageError, ImageLimits, decode_image
 
+# Pixels being decoded at once, server-wide: two 48 MP phone photos, about 0.7 GB at their peak.
+DEFAULT_DECODE_PIXELS = 100_000_000
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,(?P<data>.*)$", re.S)
 
 
@@ -27,22 +31,28 @@ class MediaPolicy:
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_images: int = 8
     remote_timeout_s: float = 10.0
+    decoding: DecodeBudget = field(default_factory=lambda: DecodeBudget(DEFAULT_DECODE_PIXELS), compare=False)
 
     @property
     def limits(self) -> ImageLimits:
         return ImageLimits(self.max_pixels, self.max_bytes)
 
 
-def load_image_source(url: str, policy: MediaPolicy, label: str = "image") -> Image.Image:
-    """Fetch and decode one ``image_url``; every refusal is an ``ImageError`` naming the image."""
+def load_image_source(url: str, policy: MediaPolicy, label: str = "image",
+                      keep: ProcessorLimit | None = None) -> Image.Image:
+    """Fetch and decode one ``image_url`` (no larger than ``keep``, the model's processor limit, needs;
+    under the policy's decode budget); every refusal is an ``ImageError`` naming the image."""
+    return decode_image(_image_bytes(url, policy, label), policy.limits, label, keep, policy.decoding)
+
+
+def _image_bytes(url: str, policy: MediaPolicy, label: str) -> bytes:
     scheme = urlparse(url).scheme.lower() if "://" in url or url.startswith("data:") else ""
     if url.startswith("data:"):
-        return decode_image(_data_url_bytes(url, label), policy.limits, label)
+        return _data_url_bytes(url, label)
     if scheme in ("http", "https"):
-        return decode_image(_fetch_remote(url, policy, label), policy.limits, label)
+        return _fetch_remote(url, policy, label)
     if scheme in ("", "file"):
-        path = Path(unquote(urlparse(url).path) if scheme == "file" else url)
-        return decode_image(_read_allowed_file(path, policy, label), policy.limits, label)
+        return _read_allowed_file(Path(unquote(urlparse(url).path) if scheme == "file" else url), policy, label)
     raise ImageError(f"{label}: unsupported URL scheme {scheme!r} (use data:, file: or http(s):)")
 
 

@@ -16,6 +16,7 @@ from PIL import Image
 from vlmserve.engine.params import HostArray, PromptInputs
 from vlmserve.preprocess.control import ControlTokens
 from vlmserve.preprocess.image_items import image_items
+from vlmserve.preprocess.image_sizes import ProcessorLimit, processor_limit
 from vlmserve.preprocess.template import TemplateInfo, adapt_messages, inspect_template
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class PromptBuilder:
     processor: Any
     template: TemplateInfo = TemplateInfo()
     control: ControlTokens = ControlTokens()
+    image_limit: ProcessorLimit | None = None  # what its processor keeps of an image: decoding stops there
     # Copies, not a lock (measured): a copy is 1-6 ms here, ~0.6 s and 24 MiB for a 200k vocabulary, once at start-up;
     # one lock made 4 threads' image prompts 1.45x slower (2 cores) and a decode wait ~0.5 s behind 140k-token ones.
     spares: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue, compare=False, repr=False)
@@ -139,7 +141,7 @@ class PromptBuilder:
         """The builder, with ``copies`` processor copies made now (one per pool thread: a copy of a
         large vocabulary's tokenizer is worth making before the first request, not during it)."""
         builder = cls(processor, inspect_template(templater_of(processor)),
-                      ControlTokens.of(processor, tokenizer_of(processor)))
+                      ControlTokens.of(processor, tokenizer_of(processor)), processor_limit(processor))
         for _ in range(copies):
             builder.spares.put(copy.deepcopy(processor))
         return builder

@@ -1,0 +1,132 @@
+"""[pool] How much of an image a model's own processor keeps, read from its config, so that decoding
+can stop there: a 7000x7000 photo for a model that sees 1 MP need never be held at 49 MP.
+
+A ``ProcessorLimit`` answers, for an upright image of a given size, the smallest size the decoded
+image must keep so that the processor still resizes *down* to what it would have made of the
+original. An image at or under that size reaches the processor unchanged (so parity with mlx-vlm
+holds exactly); a larger one is shrunk by a whole factor, never below it. A family whose resize we
+cannot bound from its config gets no limit: its images are decoded whole, as before.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True, frozen=True)
+class ProcessorLimit:
+    """The processor's resize rules; an image must keep what the largest of them needs.
+
+    - ``area``: scaled, aspect kept, to at most this many pixels (Qwen2/2.5/3-VL, Qwen3.5, Gemma 4);
+    - ``longest_edge``: scaled so its longest edge is this (Pixtral, Mistral 3, SmolVLM);
+    - ``shortest_edge``: scaled so its shortest edge is this, then cropped (CLIP: LLaVA);
+    - ``fixed``: resized to exactly this ``(width, height)`` (Gemma 3, PaliGemma);
+    - ``boxes``: fitted, aspect kept, into one of these ``(width, height)`` (LLaVA-NeXT's grid);
+    - ``tiles``: LFM2-VL's tile grid (see ``TileGrid``).
+    """
+
+    family: str
+    area: int | None = None
+    longest_edge: int | None = None
+    shortest_edge: int | None = None
+    fixed: tuple[int, int] | None = None
+    boxes: tuple[tuple[int, int], ...] = ()
+    tiles: TileGrid | None = None
+
+    def keeps(self, width: int, height: int) -> tuple[float, float]:
+        """The smallest ``(width, height)`` an upright ``width x height`` image may be shrunk to."""
+        scales = []
+        if self.area:
+            scales.append(math.sqrt(self.area / (width * height)))
+        if self.longest_edge:
+            scales.append(self.longest_edge / max(width, height))
+        if self.shortest_edge:
+            scales.append(self.shortest_edge / min(width, height))
+        scales.extend(min(w / width, h / height) for w, h in self.boxes)
+        scale = max(scales, default=0.0)
+        need_w, need_h = width * scale, height * scale
+        for box in (self.fixed, self.tiles.keeps(width, height) if self.tiles else None):
+            if box is not None:
+                need_w, need_h = max(need_w, box[0]), max(need_h, box[1])
+        return need_w, need_h
+
+    def reduction(self, width: int, height: int) -> int:
+        """The largest whole factor that shrinks the image no further than ``keeps`` allows (1: none).
+        Pillow rounds a reduced size up, so ``width // factor`` is the least it can be."""
+        need_w, need_h = self.keeps(width, height)
+        if need_w <= 0 or need_h <= 0:
+            return 1
+        return max(1, min(int(width // need_w), int(height // need_h)))
+
+
+def processor_limit(processor: Any) -> ProcessorLimit | None:
+    """The limit of this processor's images, or None where its resize is not one we can bound."""
+    ip = getattr(processor, "image_processor", None)
+    if ip is None or getattr(ip, "do_resize", True) is False:
+        return None
+    kind = type(ip).__name__
+    size = getattr(ip, "size", None)
+    try:
+        if getattr(ip, "max_pixels", None) and getattr(ip, "merge_size", None):  # Qwen's smart_resize
+            return ProcessorLimit(kind, area=int(ip.max_pixels))
+        if kind.startswith("Gemma4"):
+            patches = int(ip.max_soft_tokens) * int(ip.pooling_kernel_size) ** 2
+            return ProcessorLimit(kind, area=patches * int(ip.patch_size) ** 2)
+        if kind.startswith("Gemma3") and getattr(ip, "do_pan_and_scan", False):
+            return None  # its crops come from the full image
+        if kind.startswith("Lfm2Vl"):
+            return _lfm2_limit(ip)
+        if kind.startswith("LlavaNext"):
+            boxes = tuple((int(w), int(h)) for h, w in ip.image_grid_pinpoints)
+            return ProcessorLimit(kind, shortest_edge=_field(size, "shortest_edge"), boxes=boxes)
+        longest, shortest = _field(size, "longest_edge"), _field(size, "shortest_edge")
+        height, width = _field(size, "height"), _field(size, "width")
+        if longest:
+            return ProcessorLimit(kind, longest_edge=longest)
+        if shortest:
+            return ProcessorLimit(kind, shortest_edge=shortest)
+        if height and width:
+            return ProcessorLimit(kind, fixed=(width, height))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return None
+
+
+def _lfm2_limit(ip: Any) -> ProcessorLimit:
+    """LFM2-VL: one view smart-resized to at most ``max_image_tokens`` tokens or, for a large image with
+    splitting on, a grid of ``tile_size`` tiles (the image resized to exactly the grid) plus that view."""
+    unit = int(ip.encoder_patch_size) * int(ip.downsample_factor)
+    area = int(ip.max_image_tokens) * unit * unit
+    if not getattr(ip, "do_image_splitting", False):
+        return ProcessorLimit(type(ip).__name__, area=area)
+    grid = TileGrid(int(ip.tile_size), int(ip.min_tiles), int(ip.max_tiles), area * float(ip.max_pixels_tolerance))
+    return ProcessorLimit(type(ip).__name__, area=area, tiles=grid)
+
+
+@dataclass(slots=True, frozen=True)
+class TileGrid:
+    """LFM2-VL's split (mlx-vlm's ``processing_lfm2_vl``): an image over ``large`` pixels is resized to
+    the grid of ``min_tiles..max_tiles`` tiles whose shape is closest to its own. A shrunk image must
+    keep that grid's size, and stay over ``large`` so that it is still split."""
+
+    tile: int
+    min_tiles: int
+    max_tiles: int
+    large: float
+
+    def keeps(self, width: int, height: int) -> tuple[float, float] | None:
+        if width * height <= self.large:
+            return float(width), float(height)  # not split, and never shrunk: as it came
+        grids = [(w, h) for w in range(1, self.max_tiles + 1) for h in range(1, self.max_tiles + 1)
+                 if self.min_tiles <= w * h <= self.max_tiles]
+        w, h = min(grids, key=lambda g: (abs(width / height - g[0] / g[1]), -g[0] * g[1]))
+        over = math.sqrt(2 * self.large / (width * height))  # twice the threshold: rounding never crosses it
+        return max(w * self.tile, width * over), max(h * self.tile, height * over)
+
+
+def _field(size: Any, key: str) -> int | None:
+    """A size entry from a dict or a transformers ``SizeDict``; None when absent or empty."""
+    value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+    return int(value) if value else None
