@@ -5,28 +5,42 @@
 Starts the server (the built-in demo model unless --model) and keeps ``concurrency`` requests in
 flight until the time is up: image and text prompts, streamed and not, tool calls and tool
 results, streams the client drops after a few chunks, max_tokens from 8 to 128 (half with
-ignore_eos). The server's RSS is sampled every few seconds. After the warm-up (default: the
-first 10% of the run) the RSS at the start of the rest is compared with its end, each the median
-of the samples in a short window: the run fails (exit status 1) if that growth is 10% or more, if
-any request got a 5xx or failed otherwise, or if the server died. Writes ``soak.json``, the
-server's log and ``soak.png`` (RSS over time) to DIR.
+ignore_eos). Beside them, on their own clocks:
+
+- every ``--huge-every`` seconds, a request with an image of tens of megapixels (a 30 MP PNG);
+- every ``--stuck-every`` seconds, a client that stops reading: a raw socket with a 4 KiB receive
+  buffer asks for a long stream with 20 top logprobs a token and reads nothing for
+  ``--stuck-hold`` seconds. The server (``--stream-stall-timeout``, 5 s here) must release it:
+  its ``vlmserve_stalled_requests_total`` has grown by the time the client gives up;
+- every half second, ``/health``, timed.
+
+The server's RSS is sampled every few seconds. After the warm-up (default: the first 10% of the
+run) the RSS at the start of the rest is compared with its end, each the median of the samples in
+a short window: the run fails (exit status 1) if that growth is 10% or more, if any request got a
+5xx or failed otherwise (a stuck client the server did not release included), if ``/health``'s
+p99 is 50 ms or more, or if the server died. Writes ``soak.json``, the server's log and
+``soak.png`` (RSS over time) to DIR.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import datetime
+import io
 import json
 import os
 import platform
 import random
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +57,7 @@ from loadgen import (
     summarize,
     synthetic_images,
 )
+from PIL import Image
 
 from vlmserve.progress import Progress, progress
 from vlmserve.testing.demo.dialogues import CITIES, UNITS, WEATHER_TOOL, weather_exchange
@@ -54,6 +69,10 @@ except ImportError:  # not a dependency: /proc gives the same number on Linux
 
 HERE = Path(__file__).resolve().parent
 GROWTH_LIMIT_PCT = 10.0
+HEALTH_P99_LIMIT_MS = 50.0
+STALL_TIMEOUT_S = 5.0  # the server's --stream-stall-timeout in the soak
+HUGE_SIDES = (6000, 5000)  # 30 MP
+EXTRA_KINDS = ("huge-image", "stuck-stream")  # on their own clocks, beside the mix
 MAX_TOKENS = (8, 16, 32, 64, 128)
 
 
@@ -84,6 +103,8 @@ class Load:
         self.results: list[RequestResult] = []
         self.sent = 0
         self.finish: Counter[str] = Counter()  # non-streamed finish reasons
+        self.health_ms: list[float] = []
+        self.huge: list[str] = []  # made on first use: a few, in distinct colours
 
     async def send_next(self) -> None:
         self.sent += 1
@@ -133,6 +154,68 @@ class Load:
         return result
 
 
+    async def send_huge(self) -> None:
+        """One request with a 30 MP image, not streamed."""
+        if not self.huge:
+            self.huge = await asyncio.to_thread(huge_images, 4)
+        self.sent += 1
+        msgs = messages(prompt_text(6, self.sent), self.huge[self.sent % len(self.huge)])
+        self.results.append(await self._complete(self.target, msgs, 8, "huge-image"))
+
+    async def send_stuck(self, hold_s: float) -> None:
+        """A client that stops reading a long stream; ok once the server has released it."""
+        result = RequestResult(kind="stuck-stream", sent_at=time.perf_counter())
+        before = await self._stalled()
+        body = {"model": self.target.model, "stream": True, "max_tokens": 600, "logprobs": True, "top_logprobs": 20,
+                "ignore_eos": True, "messages": [{"role": "user", "content": "Tell me a long story."}]}
+        sock = await asyncio.to_thread(_stuck_socket, self.target.base_url, json.dumps(body).encode())
+        try:
+            deadline = time.monotonic() + hold_s
+            while time.monotonic() < deadline and (await self._stalled()) <= before:
+                await asyncio.sleep(0.5)
+            stalled = await self._stalled()
+            result.ok = stalled > before
+            result.error = None if result.ok else f"not released after {hold_s:.0f} s of not reading"
+        finally:
+            sock.close()
+        result.latency = time.perf_counter() - result.sent_at
+        self.results.append(result)
+
+    async def _stalled(self) -> float:
+        text = (await self.client.get(f"{self.target.base_url}/metrics", timeout=10)).text
+        return sum(float(m.group(1)) for m in re.finditer(r"^vlmserve_stalled_requests_total(?:\{[^}]*\})? (\S+)$",
+                                                          text, re.M))
+
+    async def probe_health(self) -> None:
+        start = time.perf_counter()
+        response = await self.client.get(f"{self.target.base_url}/health", timeout=10)
+        self.health_ms.append((time.perf_counter() - start) * 1000)
+        if response.status_code != 200:
+            self.results.append(RequestResult(kind="health", error=f"HTTP {response.status_code}: {response.text}"))
+
+
+def huge_images(count: int) -> list[str]:
+    """``count`` one-colour 30 MP PNGs as data URLs (about 100 KB each)."""
+    urls = []
+    for i in range(count):
+        buf = io.BytesIO()
+        Image.new("RGB", HUGE_SIDES, (60 * i % 256, 200, 255 - 50 * i % 256)).save(buf, format="PNG")
+        urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    return urls
+
+
+def _stuck_socket(base_url: str, body: bytes) -> socket.socket:
+    """A connection with a 4 KiB receive buffer that has sent a request and will read nothing."""
+    host, port = base_url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    sock.sendall(head + body)
+    return sock
+
+
 def rss_bytes(pid: int) -> int | None:
     """The process's resident set size (psutil if installed, else /proc); None once it is gone."""
     try:
@@ -173,9 +256,19 @@ async def soak(target: Target, pid: int, args: argparse.Namespace) -> tuple[Load
             while time.monotonic() < deadline and rss_bytes(pid) is not None:
                 await load.send_next()
 
+        async def every(period: float, first: float, send: Callable[[], Awaitable[None]]) -> None:
+            await asyncio.sleep(first)
+            while time.monotonic() < deadline and rss_bytes(pid) is not None:
+                began = time.monotonic()
+                await send()
+                await asyncio.sleep(max(0.0, period - (time.monotonic() - began)))
+
+        extras = [every(0.5, 0.0, load.probe_health), every(args.huge_every, 1.0, load.send_huge),
+                  every(args.stuck_every, 2.0, lambda: load.send_stuck(args.stuck_hold))]
+
         with progress(total=int(args.duration), desc="soak", unit="s", file=sys.stderr) as bar:
             sampler = asyncio.ensure_future(sample(pid, args.sample_every, start, samples, done, bar, load))
-            await asyncio.gather(*(lane() for _ in range(args.concurrency)))
+            await asyncio.gather(*(lane() for _ in range(args.concurrency)), *extras)
             done.set()
             await sampler
         return load, samples, time.monotonic() - start
@@ -199,8 +292,9 @@ def rss_summary(samples: list[list[float]], warmup_s: float, window_s: float) ->
 def request_summary(load: Load, wall_s: float) -> dict[str, Any]:
     results = load.results
     statuses = Counter(int(m.group(1)) for r in results if (m := re.match(r"HTTP (\d{3}):", r.error or "")))
-    by_kind = {k.name: {"sent": sum(r.kind == k.name for r in results),
-                        "ok": sum(r.ok and r.kind == k.name for r in results)} for k in MIX}
+    kinds = [k.name for k in MIX] + list(EXTRA_KINDS)
+    by_kind = {k: {"sent": sum(r.kind == k for r in results), "ok": sum(r.ok and r.kind == k for r in results)}
+               for k in kinds}
     streams = [r for r in results if r.kind.endswith("-stream")]
     return {"sent": len(results), "completed": sum(r.ok for r in results), "failed": sum(not r.ok for r in results),
             "cancelled": sum(r.ok and r.kind.endswith("-cancel") for r in results),
@@ -211,10 +305,20 @@ def request_summary(load: Load, wall_s: float) -> dict[str, Any]:
             "streams": {k: v for k, v in summarize(streams, wall_s).items() if k != "ttfts_ms"}}
 
 
+def health_summary(latencies_ms: list[float]) -> dict[str, Any]:
+    if not latencies_ms:
+        return {"probes": 0, "p99_ms": None}
+    ordered = sorted(latencies_ms)
+    pick = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)  # noqa: E731
+    return {"probes": len(ordered), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "max_ms": round(ordered[-1], 1)}
+
+
 def verdict(report: dict[str, Any], server_alive: bool) -> list[str]:
     """Why the run failed; empty when it passed."""
     requests, growth = report["requests"], report["rss"]["growth_pct"]
     reasons = [] if server_alive else ["the server died"]
+    p99 = report.get("health", {}).get("p99_ms")
+    reasons += [f"/health p99 {p99} ms (limit {HEALTH_P99_LIMIT_MS:.0f} ms)"] if p99 and p99 >= HEALTH_P99_LIMIT_MS else []
     reasons += [f"{requests['http_5xx']} requests got a 5xx"] if requests["http_5xx"] else []
     reasons += [f"{requests['failed']} requests failed"] if requests["failed"] else []
     reasons += ["no request completed"] if not requests["completed"] else []
@@ -250,6 +354,7 @@ def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     port = free_port()
     argv = [sys.executable, "-m", "vlmserve.cli", "serve", "--port", str(port), "--max-batch-size", str(args.max_batch)]
     argv += ["--model", args.model] if args.model else []
+    argv += ["--stream-stall-timeout", str(STALL_TIMEOUT_S)]
     env = dict(os.environ, PYTHONUNBUFFERED="1") | ({"VLMSERVE_NO_OPENBLAS": "1"} if args.no_openblas else {})
     started = time.perf_counter()
     with open(log_path, "w") as log:
@@ -279,6 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "server": {"model": model, "pid": proc.pid, "ready_s": round(ready_s, 1), "exit_status": proc.returncode,
                          "idle_rss_mb": round(idle_rss / 2**20, 1) if idle_rss else None},
               "wall_s": round(wall_s, 1), "requests": request_summary(load, wall_s),
+              "health": health_summary(load.health_ms),
               "rss": {"source": "psutil" if psutil else "/proc/PID/status VmRSS", **rss_summary(samples, warmup, window),
                       "samples": samples}}
     report["failures"] = verdict(report, alive)
@@ -295,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="a model directory (default: the built-in demo)")
     parser.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch-size")
     parser.add_argument("--no-openblas", action="store_true", help="set VLMSERVE_NO_OPENBLAS=1 for the server")
+    parser.add_argument("--huge-every", type=float, default=15.0, help="seconds between 30 MP image requests")
+    parser.add_argument("--stuck-every", type=float, default=30.0, help="seconds between clients that stop reading")
+    parser.add_argument("--stuck-hold", type=float, default=25.0,
+                        help=f"how long such a client waits to be released (the server's stall timeout: {STALL_TIMEOUT_S:.0f} s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "soak")
     parser.add_argument("--no-plot", action="store_true", help="skip soak.png (matplotlib is in the bench extra)")
@@ -303,9 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "soak.json").write_text(json.dumps(report, indent=1))
     if not args.no_plot:
         plot(report, args.out / "soak.png")
-    rss, req = report["rss"], report["requests"]
+    rss, req, health = report["rss"], report["requests"], report["health"]
     print(f"RSS after warm-up: start {rss.get('start_mb')} MiB, peak {rss.get('peak_mb')} MiB, "
-          f"end {rss.get('end_mb')} MiB, growth {rss['growth_pct']}%; {req['completed']}/{req['sent']} requests completed, {req['http_5xx']} 5xx")
+          f"end {rss.get('end_mb')} MiB, growth {rss['growth_pct']}%; {req['completed']}/{req['sent']} requests completed, "
+          f"{req['http_5xx']} 5xx; /health p50 {health.get('p50_ms')} ms, p99 {health.get('p99_ms')} ms")
     print("PASSED" if report["passed"] else "FAILED: " + "; ".join(report["failures"]), f"- results in {args.out}")
     return 0 if report["passed"] else 1
 

@@ -27,20 +27,27 @@ def test_rss_summary_compares_medians_after_the_warm_up() -> None:
     assert soak.rss_summary(SAMPLES, warmup_s=6.0, window_s=1.0)["growth_pct"] is None
 
 
-def _report(growth: float | None, **requests: int) -> dict:
+def _report(growth: float | None, health_p99: float = 5.0, **requests: int) -> dict:
     counts = {"http_5xx": 0, "failed": 0, "completed": 10} | requests
-    return {"requests": counts, "rss": {"growth_pct": growth}}
+    return {"requests": counts, "rss": {"growth_pct": growth}, "health": {"p99_ms": health_p99}}
 
 
 @pytest.mark.parametrize("report, alive, says", [
     (_report(9.99), True, []),
     (_report(10.0), True, ["RSS grew 10.0% after the warm-up (limit 10.0%)"]),
     (_report(1.0, http_5xx=2, failed=2), True, ["2 requests got a 5xx", "2 requests failed"]),
+    (_report(1.0, health_p99=50.0), True, ["/health p99 50.0 ms (limit 50 ms)"]),
     (_report(None, completed=0), False, ["the server died", "no request completed",
                                          "too few RSS samples after the warm-up"]),
 ])  # fmt: skip
 def test_verdict(report: dict, alive: bool, says: list[str]) -> None:
     assert soak.verdict(report, alive) == says
+
+
+def test_health_summary_takes_the_99th_percentile() -> None:
+    health = soak.health_summary([float(n) for n in range(1, 201)])
+    assert health == {"probes": 200, "p50_ms": 101.0, "p99_ms": 199.0, "max_ms": 200.0}
+    assert soak.health_summary([]) == {"probes": 0, "p99_ms": None}
 
 
 def test_short_soak_against_the_demo_server(tmp_path: Path) -> None:
@@ -53,7 +60,9 @@ def test_short_soak_against_the_demo_server(tmp_path: Path) -> None:
     requests, rss = report["requests"], report["rss"]
     assert requests["http_5xx"] == 0 and requests["failed"] == 0, requests["errors"]
     assert requests["completed"] > 0 and requests["completion_tokens"] > 0
-    assert all(kind["ok"] > 0 for kind in requests["by_kind"].values()), requests["by_kind"]
+    assert all(kind["ok"] > 0 for kind in requests["by_kind"].values()), requests["by_kind"]  # a 30 MP image and
+    assert requests["by_kind"]["stuck-stream"]["ok"] == requests["by_kind"]["stuck-stream"]["sent"]  # a stuck client
+    assert report["health"]["probes"] >= 20
     assert requests["cancelled"] > 0 and requests["finish_reasons_json"].get("tool_calls", 0) > 0
     assert len(rss["samples"]) >= 5 and rss["samples_after_warmup"] >= 2
     assert all(mb > 0 for _, mb in rss["samples"])
