@@ -319,3 +319,12 @@ def test_health_is_answered_throughout_a_flood_of_300_requests(gemma4_micro, tmp
         assert max(latencies) < 1.0  # never stalls for seconds
     finally:
         server.stop()
+
+
+def test_the_tokenizer_endpoints_need_the_key_and_version_does_not(ops_server, gemma4_micro):
+    body = {"model": gemma4_micro.name, "prompt": "hi"}
+    assert httpx.post(ops_server.url + "/tokenize", json=body, timeout=10).status_code == 401
+    keyed = httpx.post(ops_server.url + "/tokenize", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert keyed.status_code == 200 and keyed.json()["count"] > 0
+    assert httpx.post(ops_server.url + "/detokenize", json={"tokens": [1]}, timeout=10).status_code == 401
+    assert httpx.get(ops_server.url + "/version", timeout=10).status_code == 200

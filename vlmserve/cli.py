@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import queue
@@ -142,6 +143,9 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--decode-pixels", type=_pixels, default=serve.decode_pixels, metavar="PIXELS",
                      help="image pixels being decoded at once, server-wide (each image is then shrunk to what its "
                           "model's processor uses); later images wait their turn")
+    srv.add_argument("--default-chat-template-kwargs", type=_json_object, default={}, metavar="JSON",
+                     help="chat-template variables for every request, e.g. '{\"enable_thinking\": false}' (a "
+                          "request's chat_template_kwargs win)")
     srv.add_argument("--tool-parser", default=None, choices=TOOL_PARSERS,
                      help="the tool-call format (default: the chat template's, else the model family's)")
     srv.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache for text prompts off")
@@ -160,6 +164,17 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
                      help="seconds a client may read nothing while tokens wait before its request is aborted")
     srv.add_argument("--dtype", default=engine.dtype, choices=DTYPES, help=DTYPE_HELP)
     srv.set_defaults(func=_serve_command, wants_openblas=True)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object from the command line."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def _pixels(text: str) -> int:
@@ -201,6 +216,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         shutdown_timeout=args.shutdown_timeout, cors_origins=tuple(args.cors_origin), engine=engine,
         header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
         max_image_pixels=args.max_image_pixels, decode_pixels=args.decode_pixels,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
     )
 
 

@@ -15,12 +15,14 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from vlmserve import __version__
 from vlmserve.api.chat import create_chat_completion
 from vlmserve.api.errors import APIError, install_error_handlers, log_rejection
 from vlmserve.api.responses import create_response
 from vlmserve.api.responses_input import ResponsesRequest
 from vlmserve.api.schemas import ChatCompletionRequest
 from vlmserve.api.state import ServerState
+from vlmserve.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from vlmserve.frontend.async_engine import STARTING_RETRY_S
 
 log = logging.getLogger(__name__)
@@ -123,6 +125,18 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def responses(body: ResponsesRequest, request: Request) -> Any:
         return await create_response(body, request, state)
 
+    @app.post("/tokenize")
+    async def tokenize_(body: TokenizeRequest) -> dict[str, Any]:
+        return await tokenize(body, state)
+
+    @app.post("/detokenize")
+    async def detokenize_(body: DetokenizeRequest) -> dict[str, str]:
+        return await detokenize(body, state)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
 
 def _engine_status(engine: Any) -> str:
     if engine.ready:
@@ -139,7 +153,7 @@ class RequireKey:
         self.app, self.key, self.on_reject = app, api_key.encode(), on_reject
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or not _keyed(scope["path"]) or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         header = dict(scope.get("headers") or []).get(b"authorization", b"")
@@ -150,6 +164,11 @@ class RequireKey:
         error = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)", "invalid_request_error",
                          None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
         await _reject(error, scope, receive, send, self.on_reject)
+
+
+def _keyed(path: str) -> bool:
+    """The paths the API key guards: the API, and the tokenizer (it runs phase 1, images and all)."""
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
 async def _reject(error: APIError, scope: dict[str, Any], receive: Any, send: Any,

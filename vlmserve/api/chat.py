@@ -38,14 +38,16 @@ from vlmserve.preprocess.prompt import PromptBuilder, PromptError
 log = logging.getLogger("vlmserve.requests")
 
 
-def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str) -> PromptFactory | ImagePrompt:
+def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str,
+                   add_generation_prompt: bool = True) -> PromptFactory | ImagePrompt:
     """Phase 1 for the pool: fetch and decode the images, then template and tokenize (a request with
     images in the image lane)."""
 
     def make(prompter: PromptBuilder) -> PromptInputs:
         images = [load_image_source(url, media, f"image {i + 1}", prompter.image_limit)
                   for i, url in enumerate(chat.image_urls)]
-        return prompter.build(chat.messages, images, chat.tools, chat.instructions, request_id)
+        return prompter.build(chat.messages, images, chat.tools, chat.instructions, request_id,
+                              add_generation_prompt, chat.template_kwargs)
 
     return ImagePrompt(make) if chat.image_urls else make
 
@@ -105,19 +107,20 @@ async def open_call(req: ChatCompletionRequest, http: Request, state: ServerStat
         raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
                        None, "shutting_down")
     served = state.model(req.model)
-    chat = to_chat_input(req, state.media.max_images)
+    chat = to_chat_input(req, state.media.max_images, state.config.default_chat_template_kwargs)
     engine = served.engine
     tokenizer = engine.tokenizer  # the loop's own copy
     params = to_sampling_params(req, state.config.default_max_tokens, len(tokenizer) if tokenizer is not None else 0)
     if chat.tools and served.tool_parser:
         params = dataclasses.replace(params, skip_special_tokens=False)  # the parser needs the markers
+    opens_reasoning = engine.opens_reasoning_with(chat.template_kwargs)  # enable_thinking: false closes it
     wanted = guide_spec(req, served.tool_parser)
     if wanted is not None:
         try:
-            params = dataclasses.replace(params, guide=await engine.guide(wanted[0]))
+            params = dataclasses.replace(params, guide=await engine.guide(wanted[0], opens_reasoning))
         except (GuideError, ValueError) as exc:
             raise bad_request(f"{wanted[1]}: {exc}", wanted[1], "invalid_grammar") from None
-    builder = ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools, engine.opens_reasoning)
+    builder = ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools, opens_reasoning)
     call = Call(state, served, req, builder, time.perf_counter())
     stream = engine.generate(request_id, prompt_factory(chat, state.media, request_id), params)
     first = await until_done_or_disconnect(http, _first_output(stream, call), stream)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import ValidationError
 
 from vlmserve.api.errors import bad_request
 from vlmserve.api.limits import check_json
@@ -24,9 +27,38 @@ class ChatInput:
     image_urls: list[str]
     tools: list[dict[str, Any]] | None
     instructions: str = ""  # for the system message, wherever the model's template keeps it
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # the chat template's own variables
 
 
-def to_chat_input(req: ChatCompletionRequest, max_images: int) -> ChatInput:
+# apply_chat_template's own arguments, and the template itself: never a template variable from a client
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                      "add_generation_prompt", "continue_final_message", "return_dict",
+                                      "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs", "padding",
+                                      "truncation", "max_length", "processor_kwargs"})
+
+
+def template_kwargs(defaults: Mapping[str, Any], given: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The server's default template variables with the request's over them; 400 for a reserved name."""
+    merged = {**defaults, **(given or {})}
+    for name in merged:
+        if name in RESERVED_TEMPLATE_KWARGS or not name.isidentifier():
+            raise bad_request(f"chat_template_kwargs: {name!r} cannot be set (it is not a template variable)",
+                              "chat_template_kwargs", "invalid_value")
+    return merged
+
+
+def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request built from another API's body (Responses, /tokenize); its first invalid field is a 400."""
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise bad_request(f"{where}: {first['msg']}", where, "invalid_value") from None
+
+
+def to_chat_input(req: ChatCompletionRequest, max_images: int,
+                  default_template_kwargs: Mapping[str, Any] | None = None) -> ChatInput:
     if req.n not in (None, 1):
         raise bad_request("n: only n=1 is supported", "n", "unsupported_value")
     _check_structures(req)
@@ -35,7 +67,8 @@ def to_chat_input(req: ChatCompletionRequest, max_images: int) -> ChatInput:
     messages = [_message(m, i, urls, names) for i, m in enumerate(req.messages)]
     if len(urls) > max_images:
         raise bad_request(f"messages: {len(urls)} images is over the limit of {max_images} per request", "messages", "too_many_images")
-    return ChatInput(messages, urls, _tools_for_template(req), _instructions(req))
+    return ChatInput(messages, urls, _tools_for_template(req), _instructions(req),
+                     template_kwargs(default_template_kwargs or {}, req.chat_template_kwargs))
 
 
 def _message(m: Message, index: int, urls: list[str], names: dict[str, str]) -> dict[str, Any]:

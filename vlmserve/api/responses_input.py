@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from vlmserve.api.errors import bad_request
+from vlmserve.api.messages import chat_request
 from vlmserve.api.schemas import ChatCompletionRequest
 
 
@@ -35,6 +36,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -49,19 +51,15 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     for i, item in enumerate(items):
         _add_item(messages, item, f"input.{i}")
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream,
-                            "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p}
+                            "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                            "chat_template_kwargs": req.chat_template_kwargs}
     if req.tools:
         body["tools"] = [_tool(t, f"tools.{i}") for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
         body["tool_choice"] = _tool_choice(req.tool_choice)
     if req.text and req.text.get("format"):
         body["response_format"] = _format(req.text["format"])
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise bad_request(f"{where}: {first['msg']}", where, "invalid_value") from None
+    return chat_request(body)
 
 
 def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:

@@ -122,6 +122,7 @@ class ChatCompletionRequest(_Lenient):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputs | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # the chat template's own variables (enable_thinking)
 
 
 class StructuredOutputs(_Lenient):

@@ -12,10 +12,10 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from PIL import Image
 
@@ -35,6 +35,7 @@ from vlmserve.tools import select_parser
 log = logging.getLogger(__name__)
 _ids = itertools.count()
 PromptFactory = Callable[[PromptBuilder], PromptInputs]  # run on the pool
+T = TypeVar("T")
 
 
 @dataclass(slots=True, frozen=True)
@@ -157,6 +158,10 @@ class AsyncEngine:
         """Whether this model's prompts end inside an open ``<think>`` block (Qwen3.5)."""
         return self.prompter is not None and self.prompter.template.opens_reasoning
 
+    def opens_reasoning_with(self, template_kwargs: Mapping[str, Any]) -> bool:
+        """The same, for prompts rendered with these template variables (``enable_thinking: false``)."""
+        return self.prompter is not None and self.prompter.opens_reasoning_with(template_kwargs)
+
     def _tool_format(self) -> str | None:
         assert self.loaded is not None and self.prompter is not None
         if not self.prompter.template.renders_tools:
@@ -260,11 +265,12 @@ class AsyncEngine:
                 took = time.monotonic() - admitted
                 self._request_s = took if not self._request_s else (1 - _AVERAGE) * self._request_s + _AVERAGE * took
 
-    async def guide(self, spec: GuideSpec) -> Guide:
-        """The compiled grammar for ``spec`` (on the pool; cached per model); GuideError if invalid."""
+    async def guide(self, spec: GuideSpec, after_thinking: bool | None = None) -> Guide:
+        """The compiled grammar for ``spec`` (on the pool; cached per model); GuideError if invalid.
+        ``after_thinking``: the prompt ends inside ``<think>`` (None: as this model's prompts do)."""
         self._check_alive()
         assert self.guides is not None
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.guides.compile, spec)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.guides.compile, spec, after_thinking)
 
     def abort(self, request_id: str) -> None:
         """Non-blocking, from any thread: the worker applies it at its next iteration."""
@@ -298,6 +304,18 @@ class AsyncEngine:
             raise EngineNotReadyError(f"model {self.name!r} is not available: {self.dead_reason or 'not started'}",
                                       retry)
         return self.core
+
+    async def preprocess(self, prompt: PromptFactory | ImagePrompt) -> PromptInputs:
+        """Phase 1 alone, on the pool (its image lane for images), without generating (/tokenize)."""
+        self._check_alive()
+        return await self._phase1(prompt)
+
+    async def on_pool(self, work: Callable[[PromptBuilder], T]) -> T:
+        """``work`` with this model's prompt builder, on the preprocessing pool."""
+        self._check_alive()
+        prompter = self.prompter
+        assert prompter is not None
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work, prompter)
 
     async def _phase1(self, prompt: PromptInputs | PromptFactory | ImagePrompt) -> PromptInputs:
         if isinstance(prompt, PromptInputs):

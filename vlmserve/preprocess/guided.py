@@ -51,39 +51,42 @@ class GuideCompiler:
         self._ll: Any = None
         self._cache: OrderedDict[str, Guide] = OrderedDict()
 
-    def compile(self, spec: GuideSpec) -> Guide:
+    def compile(self, spec: GuideSpec, after_thinking: bool | None = None) -> Guide:
+        """``after_thinking``: the prompt ends inside ``<think>`` (None: as the model's prompts do)."""
+        thinking = self._after_thinking if after_thinking is None else after_thinking
+        key = f"{int(thinking)}:{spec.key}"
         with self._lock:  # pool threads share the tokenizer and the cache
-            cached = self._cache.get(spec.key)
+            cached = self._cache.get(key)
             if cached is not None:
-                self._cache.move_to_end(spec.key)
+                self._cache.move_to_end(key)
                 return cached
-            guide = self._compile(spec)
-            self._cache[spec.key] = guide
+            guide = self._compile(spec, thinking)
+            self._cache[key] = guide
             if len(self._cache) > CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
             return guide
 
-    def _compile(self, spec: GuideSpec) -> Guide:
+    def _compile(self, spec: GuideSpec, thinking: bool) -> Guide:
         import llguidance
 
-        grammar = self._grammar(spec)
+        grammar = self._grammar(spec, thinking)
         error = llguidance.LLMatcher.validate_grammar(grammar, self._ll_tokenizer())
         if error:
             raise GuideError(f"cannot constrain to this {spec.kind.replace('_', ' ')}: {error.strip()}")
         return Guide(spec.kind, llguidance.LLMatcher(self._ll_tokenizer(), grammar))
 
-    def _grammar(self, spec: GuideSpec) -> str:
+    def _grammar(self, spec: GuideSpec, thinking: bool) -> str:
         from llguidance import LLMatcher
 
         if spec.kind == "grammar":
             return LLMatcher.grammar_from_lark(spec.value)  # the client's own start rule, as written
-        if spec.kind == "regex" and not self._after_thinking:
+        if spec.kind == "regex" and not thinking:
             return LLMatcher.grammar_from_regex(spec.value)
         if spec.kind == "tool_call":
             lark = tool_call_lark(spec.value["format"], spec.value["tools"], self._tokenizer)
         else:
             lark = "start: answer\nanswer: " + self._body(spec)
-        if self._after_thinking:
+        if thinking:
             lark = lark.replace("start:", f'start: {marker(self._tokenizer, "</think>")} "\\n\\n" body\nbody:', 1)
         return LLMatcher.grammar_from_lark(lark)
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from vlmserve.preprocess.template import TemplateInfo, adapt_messages, inspect_t
 
 log = logging.getLogger(__name__)
 SLOW_PREPROCESS_S = 1.0
+REASONING_PROBES = 64  # sets of template variables whose probe render is kept
 
 
 class PromptError(ValueError):
@@ -41,14 +43,17 @@ def render_chat(
     messages: Sequence[dict[str, Any]],
     tools: Sequence[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
-    """Render the model's own chat template; images stay as ``{"type": "image"}`` parts."""
+    """Render the model's own chat template; images stay as ``{"type": "image"}`` parts.
+    ``template_kwargs`` are the template's own variables (``enable_thinking``...)."""
     try:
         text: str = templater_of(processor).apply_chat_template(
             list(messages),
             tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **dict(template_kwargs or {}),
         )
         return text
     except Exception as exc:  # noqa: BLE001 - jinja errors are the caller's input
@@ -94,6 +99,8 @@ def build_prompt(
     instructions: str = "",
     request_id: str = "-",
     control: ControlTokens = ControlTokens(),
+    add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> PromptInputs:
     """Phase 1 for one request: template, tokenize, preprocess images; logs when slow.
 
@@ -107,7 +114,7 @@ def build_prompt(
     if refused is not None:
         raise PromptError(refused)
     messages, tools = adapt_messages(messages, tools, template, instructions)
-    text = render_chat(processor, messages, tools)
+    text = render_chat(processor, messages, tools, add_generation_prompt, template_kwargs)
     try:
         prompt = encode(processor, text, images)
     except Exception as exc:  # noqa: BLE001 - e.g. image tokens typed into the text: the input's fault
@@ -135,6 +142,7 @@ class PromptBuilder:
     # Copies, not a lock (measured): a copy is 1-6 ms here, ~0.6 s and 24 MiB for a 200k vocabulary, once at start-up;
     # one lock made 4 threads' image prompts 1.45x slower (2 cores) and a decode wait ~0.5 s behind 140k-token ones.
     spares: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue, compare=False, repr=False)
+    reasoning_probes: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def for_processor(cls, processor: Any, copies: int = 0) -> PromptBuilder:
@@ -148,11 +156,53 @@ class PromptBuilder:
 
     def build(self, messages: Sequence[dict[str, Any]], images: Sequence[Image.Image] = (),
               tools: Sequence[dict[str, Any]] | None = None, instructions: str = "",
-              request_id: str = "-") -> PromptInputs:
+              request_id: str = "-", add_generation_prompt: bool = True,
+              template_kwargs: Mapping[str, Any] | None = None) -> PromptInputs:
         processor = self._borrow()
         try:
             return build_prompt(processor, messages, images, tools, self.template, instructions, request_id,
-                                self.control)
+                                self.control, add_generation_prompt, template_kwargs)
+        finally:
+            self.spares.put(processor)
+
+    def opens_reasoning_with(self, template_kwargs: Mapping[str, Any]) -> bool:
+        """Whether a prompt rendered with these template variables ends inside ``<think>``: a probe
+        conversation rendered once per set of variables."""
+        if not template_kwargs:
+            return self.template.opens_reasoning
+        key = json.dumps(template_kwargs, sort_keys=True, default=str)
+        opens = self.reasoning_probes.get(key)
+        if opens is None:
+            try:
+                probe = render_chat(self.processor, [{"role": "user", "content": "hi"}], None, True, template_kwargs)
+            except PromptError:
+                probe = ""  # the request's own render will say what is wrong
+            if len(self.reasoning_probes) >= REASONING_PROBES:
+                self.reasoning_probes.clear()  # clients choose the variables: keep a few sets, not all
+            opens = self.reasoning_probes[key] = probe.rstrip().endswith("<think>")
+        return opens
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A plain text's token ids, as the model's tokenizer gives them (no template)."""
+        processor = self._borrow()
+        try:
+            return [int(i) for i in tokenizer_of(processor)(text, add_special_tokens=add_special_tokens)["input_ids"]]
+        finally:
+            self.spares.put(processor)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        processor = self._borrow()
+        try:
+            text: str = tokenizer_of(processor).decode(list(token_ids))
+            return text
+        finally:
+            self.spares.put(processor)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token as the vocabulary writes it (vLLM's ``token_strs``)."""
+        processor = self._borrow()
+        try:
+            return [str(t) for t in tokenizer_of(processor).convert_ids_to_tokens(list(token_ids))]
         finally:
             self.spares.put(processor)
 

@@ -1,0 +1,99 @@
+"""[loop] POST /tokenize and /detokenize in vLLM's shape, and GET /version.
+
+Tokenizing runs on the preprocessing pool (a 30 s tokenization must not stall the loop): a plain
+prompt through the model's tokenizer, or chat messages through the same phase 1 as a chat request
+(template, images and all), so the count is what a chat request with them would cost.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vlmserve.api.chat import prompt_factory
+from vlmserve.api.errors import APIError, bad_request, retry_after
+from vlmserve.api.messages import chat_request, to_chat_input
+from vlmserve.api.schemas import Message
+from vlmserve.api.state import ServerState
+from vlmserve.frontend.async_engine import EngineNotReadyError, ImagePrompt, PromptFactory
+from vlmserve.preprocess.images import ImageError
+from vlmserve.preprocess.prompt import PromptBuilder, PromptError
+
+MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a field we do not know would change the count
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # a prompt: True; messages: False (the template writes them)
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE)
+
+
+async def tokenize(req: TokenizeRequest, state: ServerState) -> dict[str, Any]:
+    served = state.model(req.model) if req.model else state.models[0]
+    engine = served.engine
+    try:
+        if req.prompt is not None:
+            text, special = req.prompt, req.add_special_tokens is not False
+            ids = await engine.on_pool(lambda p: p.tokenize(text, special))
+        else:
+            ids = (await engine.preprocess(_chat_factory(req, served.name, state))).input_ids
+    except (PromptError, ImageError) as exc:
+        raise bad_request(str(exc), "messages" if req.messages else "prompt",
+                          "invalid_image" if isinstance(exc, ImageError) else None) from None
+    except EngineNotReadyError as exc:
+        raise APIError(503, str(exc), "service_unavailable", None, "not_ready", retry_after(exc.retry_after_s)) from None
+    strs = await engine.on_pool(lambda p: p.token_strings(ids)) if req.return_token_strs else None
+    limit = engine.loaded.max_context if engine.loaded is not None else None
+    return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}
+
+
+def _chat_factory(req: TokenizeRequest, model: str, state: ServerState) -> PromptFactory | ImagePrompt:
+    """Phase 1 of a chat request with these messages."""
+    if req.add_special_tokens:
+        raise bad_request("add_special_tokens: chat messages are tokenized as the chat template writes them",
+                          "add_special_tokens", "unsupported_value")
+    body = chat_request({"model": model, "messages": req.messages, "tools": req.tools,
+                         "chat_template_kwargs": req.chat_template_kwargs})
+    chat = to_chat_input(body, state.media.max_images, state.config.default_chat_template_kwargs)
+    return prompt_factory(chat, state.media, f"tokenize-{uuid.uuid4().hex}", req.add_generation_prompt)
+
+
+async def detokenize(req: DetokenizeRequest, state: ServerState) -> dict[str, str]:
+    served = state.model(req.model) if req.model else state.models[0]
+    engine = served.engine
+    vocab = len(engine.tokenizer) if engine.tokenizer is not None else 0
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"tokens: {bad} is not a token id of model {served.name!r} (0 to {vocab - 1})", "tokens",
+                          "invalid_value")
+    tokens = req.tokens
+
+    def decode(prompter: PromptBuilder) -> str:
+        return prompter.detokenize(tokens)
+
+    try:
+        return {"prompt": await engine.on_pool(decode)}
+    except EngineNotReadyError as exc:
+        raise APIError(503, str(exc), "service_unavailable", None, "not_ready", retry_after(exc.retry_after_s)) from None
