@@ -109,6 +109,11 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     serve, engine = ServeConfig(), EngineConfig()  # every default below is read from these
     srv.add_argument("--model", action="append", default=[],
                      help="local directory or Hub id; repeat to serve several (default: the built-in demo model)")
+    srv.add_argument("--served-model-name", action="append", nargs="+", default=[], metavar="NAME",
+                     help="the names a model answers to, the first shown in /v1/models (default: the --model "
+                          "string and a directory's base name); repeat once per --model, in order")
+    srv.add_argument("--limit-mm-per-prompt", type=_json_object, default={"image": serve.max_images}, metavar="JSON",
+                     help='media items in one request, as vLLM takes it: \'{"image": 8}\' (video is not served)')
     srv.add_argument("--host", default=serve.host, help="address to listen on")
     srv.add_argument("--port", type=int, default=serve.port, help="port to listen on")
     srv.add_argument("--api-key", default=os.environ.get("VLMSERVE_API_KEY") or None,
@@ -117,6 +122,8 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
                      help="allow browser requests from this origin, e.g. http://localhost:3000; repeat for several "
                           "or * for any (default: none)")
     srv.add_argument("--max-batch-size", type=int, default=engine.max_batch_size, help="requests decoded together")
+    srv.add_argument("--max-num-seqs", type=int, dest="max_batch_size", default=argparse.SUPPRESS,
+                     help="vLLM's name for --max-batch-size")
     srv.add_argument("--max-queue", type=int, default=engine.max_queue, help="waiting requests beyond the batch before 429")
     srv.add_argument("--prefill-chunk", type=int, default=engine.prefill_chunk,
                      help="prompt tokens per step while nothing decodes (a prompt split by layers: its share of them)")
@@ -194,6 +201,11 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
                 "--keep-alive-timeout > 0")
     if args.vision_cache_mb < 0:
         return "--vision-cache-mb must be >= 0"
+    limits = args.limit_mm_per_prompt
+    if set(limits) - {"image", "video"} or not all(isinstance(n, int) and n >= 0 for n in limits.values()):
+        return '--limit-mm-per-prompt: a JSON object of "image" and "video" counts >= 0, e.g. \'{"image": 4}\''
+    if len(args.served_model_name) > max(1, len(args.model)):
+        return "--served-model-name: give it once per --model, in the same order"
     if min(args.max_image_pixels, args.decode_pixels) < 1:
         return "--max-image-pixels and --decode-pixels must be >= 1"
     for directory in args.allowed_media_dir:
@@ -217,6 +229,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
         max_image_pixels=args.max_image_pixels, decode_pixels=args.decode_pixels,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
+        served_names=tuple(tuple(names) for names in args.served_model_name),
+        max_images=args.limit_mm_per_prompt.get("image", field_default(ServeConfig, "max_images")),
     )
 
 

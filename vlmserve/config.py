@@ -67,6 +67,7 @@ class ServeConfig:
     """What ``vlmserve serve`` runs: the server's own settings, and every model's engine's."""
 
     models: tuple[str, ...] = ()
+    served_names: tuple[tuple[str, ...], ...] = ()  # per model, in order: the names it answers to (the first shown)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -74,6 +75,7 @@ class ServeConfig:
     allow_remote_images: bool = False
     allowed_media_domains: tuple[str, ...] = ()
     max_image_pixels: int = DEFAULT_MAX_PIXELS  # larger images get 400 before they are decoded
+    max_images: int = 8  # images in one request (--limit-mm-per-prompt)
     decode_pixels: int = DEFAULT_DECODE_PIXELS  # image pixels being decoded at once, server-wide
     tool_parser: str | None = None
     default_max_tokens: int = 512  # max_tokens when a request gives none

@@ -30,12 +30,15 @@ def build_state(config: ServeConfig) -> ServerState:
     pool = ThreadPoolExecutor(max_workers=config.engine.preprocess_threads, thread_name_prefix="preprocess")
     images = ThreadPoolExecutor(max_workers=config.engine.image_threads, thread_name_prefix="preprocess-images")
     served = []
-    for spec in config.models or (None,):
+    for i, spec in enumerate(config.models or (None,)):
         path, name = resolve_model(spec)
-        engine = AsyncEngine(path, name, config.engine, pool, images)
-        served.append(ServedModel(name, engine, aliases_for(path) if spec else ("default",), config.tool_parser))
+        names = config.served_names[i] if i < len(config.served_names) else ()
+        aliases = names[1:] if names else aliases_for(path) if spec else ("default",)
+        engine = AsyncEngine(path, names[0] if names else name, config.engine, pool, images)
+        served.append(ServedModel(engine.name, engine, aliases, config.tool_parser))
     media = MediaPolicy(allowed_dirs=config.allowed_media_dirs, allow_remote=config.allow_remote_images,
                         allowed_domains=config.allowed_media_domains, max_pixels=config.max_image_pixels,
+                        max_images=config.max_images,
                         decoding=DecodeBudget(config.decode_pixels))
     return ServerState(served, media, config)
 

@@ -7,6 +7,7 @@ import contextlib
 import importlib.resources
 import logging
 import secrets
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ from vlmserve.api.errors import APIError, install_error_handlers, log_rejection
 from vlmserve.api.responses import create_response
 from vlmserve.api.responses_input import ResponsesRequest
 from vlmserve.api.schemas import ChatCompletionRequest
-from vlmserve.api.state import ServerState
+from vlmserve.api.state import ServedModel, ServerState
 from vlmserve.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from vlmserve.frontend.async_engine import STARTING_RETRY_S
 
@@ -53,7 +54,9 @@ def create_app(state: ServerState, on_fatal: Callable[[str], None] | None = None
         app.add_middleware(RequireKey, api_key=state.config.api_key, on_reject=state.metrics.rejected)
     if state.config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(state.config.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"])
+    app.add_middleware(RequestId)  # outermost: every response carries one, refusals included
     _routes(app, state)
     return app
 
@@ -106,16 +109,19 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    def card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "vlmserve"}
+    def card(served: ServedModel) -> dict[str, Any]:
+        engine = served.engine
+        limit = engine.loaded.max_context if engine.loaded is not None else None
+        return {"id": served.name, "object": "model", "created": engine.created, "owned_by": "vlmserve",
+                "root": engine.model_spec, "parent": None, "max_model_len": limit}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card(m.name) for m in state.models]}
+        return {"object": "list", "data": [card(m) for m in state.models]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        return card(state.model(model_id).name)
+        return card(state.model(model_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -142,6 +148,29 @@ def _engine_status(engine: Any) -> str:
     if engine.ready:
         return "ready"
     return f"failed: {engine.dead_reason}" if engine.dead_reason else "loading"
+
+
+class RequestId:
+    """An ``x-request-id`` header on every response: the client's own (up to 128 printable
+    characters), else a new one, as vLLM and most proxies do."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"")
+        ok = 0 < len(given) <= 128 and all(33 <= c < 127 for c in given)
+        request_id = given if ok else uuid.uuid4().hex.encode()
+
+        async def with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, with_id)
 
 
 class RequireKey:

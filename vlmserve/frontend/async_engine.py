@@ -99,6 +99,7 @@ class AsyncEngine:
         self.core: EngineCore | None = None
         self.kv: KVBudget | None = None  # measured after the warm-up
         self.ready = False
+        self.created = 0  # when it loaded, for /v1/models (Unix seconds)
         self.dead_reason: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue[StepOutput]] = {}
@@ -119,6 +120,7 @@ class AsyncEngine:
         self.worker.start()
         began = time.perf_counter()
         self.loaded = await self.worker.run(self._load)
+        self.created = int(time.time())
         loaded = time.perf_counter()
         self.prompter = await asyncio.get_running_loop().run_in_executor(
             self._pool, PromptBuilder.for_processor, self.loaded.processor, self.config.preprocess_threads)

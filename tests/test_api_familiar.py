@@ -1,0 +1,85 @@
+"""The flags and fields people bring from vLLM (issue 32): --served-model-name, --max-num-seqs,
+--limit-mm-per-prompt, /v1/models' max_model_len and created, and x-request-id on every response.
+One real ``vlmserve serve`` of the micro Gemma 4, the official openai client."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import scene
+from server_utils import image_data_url, start_server
+
+NAMES = ("demo-vlm", "other-name")
+
+
+@pytest.fixture(scope="module")
+def server(gemma4_micro, tmp_path_factory):
+    args = ["--model", str(gemma4_micro), "--served-model-name", *NAMES, "--max-num-seqs", "2",
+            "--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0})]
+    proc = start_server(args, tmp_path_factory.mktemp("familiar") / "server.log")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_served_model_names_replace_the_path(server, client, gemma4_micro):
+    (card,) = client.models.list().data
+    assert card.id == NAMES[0]
+    assert card.model_extra["max_model_len"] > 0 and abs(card.created - time.time()) < 3600
+    for name in NAMES:
+        reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert reply.model == NAMES[0]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=gemma4_micro.name, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2)
+
+
+def test_familiar_flags_set_what_ours_do():
+    from vlmserve.cli import _parser, serve_config
+
+    config = serve_config(_parser().parse_args(["serve", "--max-num-seqs", "3", "--served-model-name", "a", "b",
+                                                "--limit-mm-per-prompt", '{"image": 2}']))
+    assert config.engine.max_batch_size == 3 and config.served_names == (("a", "b"),) and config.max_images == 2
+
+
+def test_limit_mm_per_prompt_counts_images(client):
+    picture = {"type": "image_url", "image_url": {"url": image_data_url(scene("circle", (200, 30, 30)))}}
+    one = [{"role": "user", "content": [picture, {"type": "text", "text": "what?"}]}]
+    assert client.chat.completions.create(model=NAMES[0], messages=one, max_tokens=2).choices
+    two = [{"role": "user", "content": [picture, picture, {"type": "text", "text": "what?"}]}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=NAMES[0], messages=two, max_tokens=2)
+    assert "2 images is over the limit of 1" in str(refused.value)
+
+
+def test_every_response_carries_a_request_id(server):
+    mine = httpx.post(server.url + "/v1/chat/completions", headers={"X-Request-Id": "trace-42"}, timeout=60,
+                      json={"model": NAMES[0], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert mine.status_code == 200 and mine.headers["x-request-id"] == "trace-42"
+    made = [httpx.get(server.url + "/health"), httpx.get(server.url + "/v1/models/nope"),
+            httpx.post(server.url + "/v1/chat/completions", content=b"{not json"),
+            httpx.get(server.url + "/health", headers={"X-Request-Id": "bad id with spaces"})]
+    assert [r.status_code for r in made] == [200, 404, 400, 200]
+    ids = [r.headers["x-request-id"] for r in made]
+    assert len(set(ids)) == 4 and all(len(i) == 32 for i in ids)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--limit-mm-per-prompt", '{"audio": 1}'], "--limit-mm-per-prompt"),
+    (["--limit-mm-per-prompt", "image=4"], "not JSON"),
+    (["--served-model-name", "a", "--served-model-name", "b"], "once per --model"),
+])
+def test_bad_familiar_flags_are_one_line_usage_errors(args, says, tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "vlmserve", "serve", *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
