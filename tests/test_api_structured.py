@@ -160,3 +160,21 @@ def test_two_calls_in_one_turn_stream_as_two_whole_calls(demo_client, demo_serve
     assert all(len(e) <= 1 for e in entries)
     firsts = [e[0] for e in entries if e and "id" in e[0]]
     assert [f["index"] for f in firsts] == [0, 1] and all(f["function"]["name"] == "get_weather" for f in firsts)
+
+
+def test_vllms_older_guided_fields_constrain_as_structured_outputs_does(demo_client, demo_server):
+    ask = {"model": DEFAULT_MODEL_NAME, "max_tokens": 10, "temperature": 0}
+    r = demo_client.chat.completions.create(messages=_ask("Is there a star?"), **ask,
+                                            extra_body={"guided_choice": ["maybe", "nope"]})
+    assert r.choices[0].message.content in ("maybe", "nope")
+    r = demo_client.chat.completions.create(messages=_ask("How many shapes?"), **ask,
+                                            extra_body={"guided_regex": "[0-9]{1,2} shapes"})
+    assert re.fullmatch(r"[0-9]{1,2} shapes", r.choices[0].message.content)
+    r = demo_client.chat.completions.create(messages=_ask("Describe one."), **{**ask, "max_tokens": 80},
+                                            extra_body={"guided_json": json.dumps(STRICT)})  # a string, as vLLM took it
+    Shape.model_validate_json(r.choices[0].message.content)
+    for extra in ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, {"guided_json": "{not json"},
+                  {"guided_choice": ["a"], "guided_whitespace_pattern": " "}):
+        body = {"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], **extra}
+        refused = httpx.post(demo_server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error", refused.text

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SEED_MAX = 2**64 - 1  # what the sampler's random key takes
 CONTENT_PART_TYPES = ("text", "image_url")
@@ -123,6 +124,30 @@ class ChatCompletionRequest(_Lenient):
     stop_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputs | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # the chat template's own variables (enable_thinking)
+    # vLLM's older names for structured_outputs' fields (one of them, and not beside it)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # would change the output; refused, never ignored
+
+    @model_validator(mode="after")
+    def _guided_as_structured_outputs(self) -> ChatCompletionRequest:
+        given = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                   ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
+        if self.guided_whitespace_pattern is not None:
+            raise ValueError("guided_whitespace_pattern is not supported (JSON is written without free whitespace)")
+        if not given:
+            return self
+        if self.structured_outputs is not None:
+            raise ValueError("give structured_outputs or vLLM's older guided_* fields, not both")
+        if isinstance(self.guided_json, str):
+            try:
+                given["json"] = json.loads(self.guided_json)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"guided_json is not JSON: {exc}") from None
+        self.structured_outputs = StructuredOutputs.model_validate(given)
+        return self
 
 
 class StructuredOutputs(_Lenient):
