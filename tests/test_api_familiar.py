@@ -5,6 +5,7 @@ One real ``vlmserve serve`` of the micro Gemma 4, the official openai client."""
 from __future__ import annotations
 
 import json
+import ssl
 import time
 
 import httpx
@@ -18,7 +19,7 @@ NAMES = ("demo-vlm", "other-name")
 
 @pytest.fixture(scope="module")
 def server(gemma4_micro, tmp_path_factory):
-    args = ["--model", str(gemma4_micro), "--served-model-name", *NAMES, "--max-num-seqs", "2",
+    args = ["--model", str(gemma4_micro), "--served-model-name", *NAMES, "--max-num-seqs", "2", "--trust-remote-code",
             "--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0})]
     proc = start_server(args, tmp_path_factory.mktemp("familiar") / "server.log")
     yield proc
@@ -72,7 +73,41 @@ def test_every_response_carries_a_request_id(server):
     assert len(set(ids)) == 4 and all(len(i) == 32 for i in ids)
 
 
+def test_https_with_a_certificate(gemma4_micro, tmp_path):
+    """--ssl-keyfile/--ssl-certfile: the openai client, trusting the self-signed certificate, chats over TLS."""
+    import subprocess
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    server = start_server(["--model", str(gemma4_micro), "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)],
+                          tmp_path / "server.log", wait_ready=False)
+    base, trusted = f"https://127.0.0.1:{server.port}", ssl.create_default_context(cafile=str(cert))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(base + "/ready", verify=trusted, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+                               http_client=httpx.Client(verify=trusted, timeout=60))
+        reply = client.chat.completions.create(model=gemma4_micro.name, max_tokens=2,
+                                               messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.content is not None
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5)  # plain HTTP is not served
+        assert f"on https://127.0.0.1:{server.port}" in server.log
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("args, says", [
+    (["--ssl-keyfile", "/nonexistent.pem"], "go together"),
     (["--limit-mm-per-prompt", '{"audio": 1}'], "--limit-mm-per-prompt"),
     (["--limit-mm-per-prompt", "image=4"], "not JSON"),
     (["--served-model-name", "a", "--served-model-name", "b"], "once per --model"),

@@ -170,6 +170,10 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--stream-stall-timeout", type=float, default=engine.stall_timeout_s,
                      help="seconds a client may read nothing while tokens wait before its request is aborted")
     srv.add_argument("--dtype", default=engine.dtype, choices=DTYPES, help=DTYPE_HELP)
+    srv.add_argument("--trust-remote-code", action="store_true",
+                     help="let transformers run a model repository's own processor code (as vLLM's flag)")
+    srv.add_argument("--ssl-keyfile", type=Path, default=None, help="with --ssl-certfile: serve HTTPS")
+    srv.add_argument("--ssl-certfile", type=Path, default=None, help="the certificate (chain) for --ssl-keyfile")
     srv.set_defaults(func=_serve_command, wants_openblas=True)
 
 
@@ -201,6 +205,11 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
                 "--keep-alive-timeout > 0")
     if args.vision_cache_mb < 0:
         return "--vision-cache-mb must be >= 0"
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        return "--ssl-keyfile and --ssl-certfile go together"
+    for tls in (args.ssl_keyfile, args.ssl_certfile):
+        if tls is not None and not tls.is_file():
+            return f"{tls}: no such file"
     limits = args.limit_mm_per_prompt
     if set(limits) - {"image", "video"} or not all(isinstance(n, int) and n >= 0 for n in limits.values()):
         return '--limit-mm-per-prompt: a JSON object of "image" and "video" counts >= 0, e.g. \'{"image": 4}\''
@@ -215,7 +224,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         max_batch_size=args.max_batch_size, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
         stream_prefill_chunk=args.stream_prefill_chunk, stream_step_share=args.stream_step_share,
         encoder_budget=args.encoder_budget, max_model_len=args.max_model_len, prefix_cache=not args.no_prefix_cache,
-        dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
+        dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+        kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
         vision_cache_bytes=int(args.vision_cache_mb * 2**20), stall_timeout_s=args.stream_stall_timeout,
     )
     return ServeConfig(
@@ -230,6 +240,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         max_image_pixels=args.max_image_pixels, decode_pixels=args.decode_pixels,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         served_names=tuple(tuple(names) for names in args.served_model_name),
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         max_images=args.limit_mm_per_prompt.get("image", field_default(ServeConfig, "max_images")),
     )
 

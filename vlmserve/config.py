@@ -85,6 +85,8 @@ class ServeConfig:
     header_timeout_s: float = 10.0  # a new connection's first request headers, or it is closed (slowloris)
     keep_alive_timeout_s: float = 5.0  # an idle kept-alive connection is closed after this long
     cors_origins: tuple[str, ...] = ()
+    ssl_keyfile: Path | None = None  # with ssl_certfile: serve HTTPS
+    ssl_certfile: Path | None = None
     # Chat-template variables for every request (a request's chat_template_kwargs win), e.g. enable_thinking.
     default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     engine: EngineConfig = field(default_factory=EngineConfig)

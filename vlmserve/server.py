@@ -120,11 +120,12 @@ def serve(config: ServeConfig) -> int:
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                timeout_graceful_shutdown=5, access_log=False, http=guarded_protocol(config.header_timeout_s),
                                timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]  # a delay
+                               ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
                                log_config=None)  # uvicorn logs through ours: timestamps, one format
     server = _Server(uv_config, state, config.shutdown_timeout)
     holder.append(server)
-    log.info("vlmserve %s serving %s on http://%s:%d", __version__, ", ".join(m.name for m in state.models),
-             config.host, config.port)
+    log.info("vlmserve %s serving %s on %s://%s:%d", __version__, ", ".join(m.name for m in state.models),
+             "https" if config.ssl_certfile else "http", config.host, config.port)
     server.run(sockets=[listening_socket(uv_config)])
     if server.fatal:
         print(f"vlmserve: error: {server.fatal}", file=sys.stderr)

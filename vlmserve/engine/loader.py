@@ -44,11 +44,13 @@ class LoadedModel:
         return getattr(self.processor, "tokenizer", self.processor)
 
 
-def load_model(path_or_id: str, name: str | None = None, dtype: str = DEFAULT_DTYPE) -> LoadedModel:
+def load_model(path_or_id: str, name: str | None = None, dtype: str = DEFAULT_DTYPE,
+               trust_remote_code: bool = False) -> LoadedModel:
     """Load with ``mlx_vlm.load`` and materialize every weight on the calling thread.
 
     Must run on the worker: the weights become arrays of this thread's stream. ``dtype``: the
     float weights as stored (``model``), cast to one type, or ``auto`` (see ``serving_dtype``).
+    ``trust_remote_code`` goes to mlx-vlm, and through it to transformers' processor loading.
     """
     from mlx_vlm.utils import load  # heavy import; keep it off module import
 
@@ -58,7 +60,8 @@ def load_model(path_or_id: str, name: str | None = None, dtype: str = DEFAULT_DT
         with warnings.catch_warnings():
             # Gemma 4's processor builds an audio front end we never use; its mel warning is noise.
             warnings.filterwarnings("ignore", message="At least one mel filter")
-            model, processor = load(path_or_id)
+            extra: dict[str, Any] = {"trust_remote_code": True} if trust_remote_code else {}
+            model, processor = load(path_or_id, **extra)
         _cast_floats(model, serving_dtype(dtype, model))
         mx.eval(model.parameters())
     except Exception as exc:  # noqa: BLE001 - every loader failure becomes one clear error

@@ -150,7 +150,7 @@ class AsyncEngine:
     def _load(self) -> LoadedModel:
         self.worker.assert_on_worker()
         configure_process()
-        loaded = load_model(self.model_spec, self.name, self.config.dtype)
+        loaded = load_model(self.model_spec, self.name, self.config.dtype, self.config.trust_remote_code)
         if self.config.max_model_len:
             loaded.max_context = min(loaded.max_context, self.config.max_model_len)
         return loaded
