@@ -18,6 +18,7 @@ from fastapi.staticfiles import StaticFiles
 
 from vlmserve import __version__
 from vlmserve.api.chat import create_chat_completion
+from vlmserve.api.completions import CompletionRequest, create_completion
 from vlmserve.api.errors import APIError, install_error_handlers, log_rejection
 from vlmserve.api.responses import create_response
 from vlmserve.api.responses_input import ResponsesRequest
@@ -130,6 +131,10 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Any:
         return await create_response(body, request, state)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await create_completion(body, request, state)
 
     @app.post("/tokenize")
     async def tokenize_(body: TokenizeRequest) -> dict[str, Any]:

@@ -194,7 +194,7 @@ GONE = object()  # the client disconnected
 async def until_done_or_disconnect(http: Request, work: Awaitable[Any], stream: AsyncGenerator[RequestOutput, None]) -> Any:
     """Await ``work`` unless the client goes away first: then cancel it and abort the request."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(http))
+    watcher = asyncio.ensure_future(disconnected(http))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
@@ -207,7 +207,8 @@ async def until_done_or_disconnect(http: Request, work: Awaitable[Any], stream: 
         watcher.cancel()
 
 
-async def _disconnected(http: Request) -> None:
+async def disconnected(http: Request) -> None:
+    """Returns when the client has gone away."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
 

@@ -174,28 +174,44 @@ def guide_spec(req: ChatCompletionRequest, tool_format: str | None) -> tuple[Gui
 
 
 def to_sampling_params(req: ChatCompletionRequest, default_max_tokens: int, vocab_size: int) -> SamplingParams:
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    if len(stop) > 8:
-        raise bad_request("stop: at most 8 stop sequences", "stop")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+    return sampling_params(
+        max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+        top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop,
+        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=bool(req.logprobs),
+        top_logprobs=req.top_logprobs or 0, logit_bias=req.logit_bias, vocab_size=vocab_size,
+        default_max_tokens=default_max_tokens)
+
+
+def sampling_params(*, max_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
+                    min_p: float | None, repetition_penalty: float | None, presence_penalty: float | None,
+                    frequency_penalty: float | None, seed: int | None, stop: str | list[str] | None,
+                    stop_token_ids: list[int] | None, ignore_eos: bool, logprobs: bool, top_logprobs: int,
+                    logit_bias: dict[str, float] | None, vocab_size: int, default_max_tokens: int) -> SamplingParams:
+    """The engine's sampling parameters from an API's fields (chat, completions), OpenAI's defaults
+    where a field is absent; what the engine refuses is a 400."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > 8:
+        raise bad_request("stop: at most 8 stop sequences", "stop")
     try:
         return SamplingParams(
-            max_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            min_p=req.min_p or 0.0,
-            repetition_penalty=req.repetition_penalty or 1.0,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            seed=req.seed,
-            stop=stop,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-            logprobs=bool(req.logprobs),
-            top_logprobs=req.top_logprobs or 0,
-            logit_bias=_logit_bias(req.logit_bias or {}, vocab_size),
+            max_tokens=max_tokens or default_max_tokens,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=top_k or 0,
+            min_p=min_p or 0.0,
+            repetition_penalty=repetition_penalty or 1.0,
+            presence_penalty=presence_penalty or 0.0,
+            frequency_penalty=frequency_penalty or 0.0,
+            seed=seed,
+            stop=stops,
+            stop_token_ids=tuple(stop_token_ids or ()),
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            logit_bias=_logit_bias(logit_bias or {}, vocab_size),
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None

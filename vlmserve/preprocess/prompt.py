@@ -139,6 +139,7 @@ class PromptBuilder:
     template: TemplateInfo = TemplateInfo()
     control: ControlTokens = ControlTokens()
     image_limit: ProcessorLimit | None = None  # what its processor keeps of an image: decoding stops there
+    media_token_ids: frozenset[int] = frozenset()  # image, video and audio placeholders: only phase 1 writes them
     # Copies, not a lock (measured): a copy is 1-6 ms here, ~0.6 s and 24 MiB for a 200k vocabulary, once at start-up;
     # one lock made 4 threads' image prompts 1.45x slower (2 cores) and a decode wait ~0.5 s behind 140k-token ones.
     spares: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue, compare=False, repr=False)
@@ -149,7 +150,8 @@ class PromptBuilder:
         """The builder, with ``copies`` processor copies made now (one per pool thread: a copy of a
         large vocabulary's tokenizer is worth making before the first request, not during it)."""
         builder = cls(processor, inspect_template(templater_of(processor)),
-                      ControlTokens.of(processor, tokenizer_of(processor)), processor_limit(processor))
+                      ControlTokens.of(processor, tokenizer_of(processor)), processor_limit(processor),
+                      media_token_ids(processor))
         for _ in range(copies):
             builder.spares.put(copy.deepcopy(processor))
         return builder
@@ -211,6 +213,21 @@ class PromptBuilder:
             return self.spares.get_nowait()
         except queue.Empty:  # more threads than copies: one more, kept for later
             return copy.deepcopy(self.processor)
+
+
+def media_token_ids(processor: Any) -> frozenset[int]:
+    """The ids of the processor's image, video and audio placeholder tokens (those it has)."""
+    tokenizer, found = tokenizer_of(processor), set()
+    for owner in (processor, tokenizer):
+        for name in ("image_token", "video_token", "audio_token"):
+            token = getattr(owner, name, None)
+            token_id = tokenizer.convert_tokens_to_ids(token) if isinstance(token, str) else None
+            if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
+                found.add(token_id)
+            given = getattr(owner, f"{name}_id", None)
+            if isinstance(given, int):
+                found.add(given)
+    return frozenset(found)
 
 
 def _count_images(message: dict[str, Any]) -> int:

@@ -1,0 +1,333 @@
+"""[loop] POST /v1/completions: the legacy text completions API over the same engine.
+
+A prompt is a string, a list of strings, token ids, or a list of token-id lists; each becomes its
+own choice (``index`` in prompt order), and the batch's prompts run side by side, as many at once
+as the batch takes. Strings are tokenized on the pool as the model's tokenizer does (its BOS
+included). ``echo`` puts the prompt's text before the completion; ``max_tokens: 0`` with ``echo``
+answers with the prompt alone. ``logprobs: k`` gives the legacy shape (``tokens``,
+``token_logprobs``, ``top_logprobs`` with k alternatives, ``text_offset``) for the generated tokens.
+
+Refused with a 400, never ignored: ``echo`` with ``logprobs`` (the prompt's own logprobs, which
+lm-evaluation-harness reads, are not computed yet), ``n``/``best_of`` over 1, ``suffix``, and a
+prompt holding the model's image, video or audio placeholder (no pixels come with it). Other special
+tokens are the prompt's own business: a raw completion prompt writes its chat turns itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field
+
+from vlmserve.api.chat import SSE_HEADERS, disconnected, engine_fault, sse_event
+from vlmserve.api.errors import APIError, bad_request, retry_after
+from vlmserve.api.messages import sampling_params
+from vlmserve.api.schemas import SEED_MAX, StreamOptions, _Lenient
+from vlmserve.api.state import ServedModel, ServerState
+from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.frontend.async_engine import (
+    EngineNotReadyError,
+    EngineOverloadedError,
+    OverBudgetError,
+    PromptTooLongError,
+)
+from vlmserve.frontend.output import RequestOutput
+from vlmserve.frontend.token_bytes import token_text_and_bytes
+from vlmserve.preprocess.prompt import PromptBuilder
+
+log = logging.getLogger("vlmserve.requests")
+MAX_PROMPTS = 256  # prompts in one request
+
+
+class CompletionRequest(_Lenient):
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
+    echo: bool = False
+    n: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Choice:
+    """One prompt's completion as it grows."""
+
+    index: int
+    prompt_ids: list[int]
+    prompt_text: str
+    text: str = ""
+    finish_reason: str | None = None
+    tokens: list[str] = dataclasses.field(default_factory=list)
+    token_logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    text_offset: list[int] = dataclasses.field(default_factory=list)
+    completion_tokens: int = 0
+
+
+async def create_completion(req: CompletionRequest, http: Request, state: ServerState) -> Any:
+    if state.draining:
+        raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable", None,
+                       "shutting_down")
+    _refuse_unsupported(req)
+    served = state.model(req.model)
+    engine = served.engine
+    vocab = len(engine.tokenizer) if engine.tokenizer is not None else 0
+    prompts = await _prompt_ids(req, served, vocab)
+    params = _params(req, state, vocab)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    texts = await asyncio.gather(*(engine.on_pool(partial(PromptBuilder.detokenize, token_ids=ids)) for ids in prompts)) \
+        if req.echo else [""] * len(prompts)
+    # echo: the text starts with the prompt's; max_tokens 0 (with echo): the prompt alone, no generation
+    choices = [Choice(i, ids, text, text) for i, (ids, text) in enumerate(zip(prompts, texts))]
+    generate = req.max_tokens != 0
+    for choice in choices if not generate else ():
+        choice.finish_reason = "length"
+    created, start = int(time.time()), time.perf_counter()
+    if req.stream:
+        stream = _stream(request_id, created, served, choices, params if generate else None, req, state, start)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+    if generate:
+        work = asyncio.ensure_future(_run_all(request_id, served, choices, params, state, None))
+        gone = asyncio.ensure_future(disconnected(http))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, gone):
+                if not task.done():
+                    task.cancel()  # a client that left: every prompt is aborted in the engine
+            await asyncio.gather(work, gone, return_exceptions=True)
+        if not work.done() or work.cancelled():
+            _log(request_id, served, choices, start, "disconnected")
+            return JSONResponse({}, status_code=499)
+        work.result()
+    _log(request_id, served, choices, start, "ok")
+    return JSONResponse(_body(request_id, created, served.name, choices, req, usage=True))
+
+
+def _refuse_unsupported(req: CompletionRequest) -> None:
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs: the prompt's own logprobs are not computed by this server yet",
+                          "echo", "unsupported_value")
+    for name, value in (("n", req.n), ("best_of", req.best_of)):
+        if value not in (None, 1):
+            raise bad_request(f"{name}: only 1 is supported", name, "unsupported_value")
+    if req.suffix:
+        raise bad_request("suffix: insertion is not supported", "suffix", "unsupported_value")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens: 0 only with echo (the prompt alone)", "max_tokens", "invalid_value")
+
+
+async def _prompt_ids(req: CompletionRequest, served: ServedModel, vocab: int) -> list[list[int]]:
+    """Every prompt as token ids: strings tokenized on the pool, ids checked against the vocabulary."""
+    raw = req.prompt
+    items: list[str | list[int]] = []
+    if isinstance(raw, str):
+        items = [raw]
+    elif raw and all(isinstance(t, int) for t in raw):
+        items = [[int(t) for t in raw if isinstance(t, int)]]  # one prompt of token ids
+    else:
+        items = [p if isinstance(p, str) else list(p) for p in raw if isinstance(p, (str, list))]
+    if not items or len(items) > MAX_PROMPTS:
+        raise bad_request(f"prompt: give 1 to {MAX_PROMPTS} prompts", "prompt", "invalid_value")
+    engine = served.engine
+    media = engine.prompter.media_token_ids if engine.prompter is not None else frozenset()
+    out = []
+    for i, item in enumerate(items):
+        where = "prompt" if len(items) == 1 else f"prompt.{i}"
+        if isinstance(item, str):
+            ids = await engine.on_pool(partial(PromptBuilder.tokenize, text=item, add_special_tokens=True))
+        else:
+            ids = list(item)
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"{where}: {bad} is not a token id of model {served.name!r}", "prompt",
+                                  "invalid_value")
+        if not ids:
+            raise bad_request(f"{where}: empty", "prompt", "invalid_value")
+        placeholder = next((t for t in ids if t in media), None)
+        if placeholder is not None:  # it would ask the model for image features nobody sent
+            raise bad_request(f"{where}: token {placeholder} is the model's image (or video, audio) placeholder; "
+                              "send images through /v1/chat/completions", "prompt", "control_token")
+        out.append(ids)
+    return out
+
+
+def _params(req: CompletionRequest, state: ServerState, vocab: int) -> SamplingParams:
+    return sampling_params(
+        max_tokens=req.max_tokens or 1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
+        logit_bias=req.logit_bias, vocab_size=vocab, default_max_tokens=state.config.default_max_tokens)
+
+
+async def _run_all(request_id: str, served: ServedModel, choices: list[Choice], params: SamplingParams,
+                   state: ServerState, updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None,
+                   ) -> None:
+    """Every prompt through the engine, as many at once as the batch takes; the first error ends all."""
+    room = asyncio.Semaphore(served.engine.config.max_batch_size)
+    tokenizer = served.engine.tokenizer
+
+    async def one(choice: Choice) -> None:
+        async with room:
+            await _run_one(f"{request_id}-{choice.index}", served, choice, params, tokenizer, updates)
+
+    tasks = [asyncio.ensure_future(one(c)) for c in choices]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _run_one(request_id: str, served: ServedModel, choice: Choice, params: SamplingParams, tokenizer: Any,
+                   updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None) -> None:
+    engine = served.engine
+    stream = engine.generate(request_id, PromptInputs(choice.prompt_ids), params)
+    try:
+        async for out in _checked(stream, request_id):
+            delta = out.text
+            logprobs = _logprobs(choice, out, tokenizer) if params.logprobs else None
+            choice.text += delta
+            choice.completion_tokens = out.num_completion_tokens
+            if out.finished:
+                choice.finish_reason = "length" if out.finish_reason == "length" else "stop"
+            if updates is not None and (delta or logprobs or out.finished):
+                await updates.put((choice, delta, logprobs))
+    finally:
+        await stream.aclose()
+
+
+async def _checked(stream: AsyncIterator[RequestOutput], request_id: str) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs; its refusals as the API's errors."""
+    try:
+        async for out in stream:
+            if out.finish_reason == "error":
+                raise engine_fault(request_id, out.error)
+            yield out
+    except PromptTooLongError as exc:
+        raise bad_request(str(exc), "prompt", "context_length_exceeded") from None
+    except OverBudgetError as exc:
+        raise bad_request(str(exc), "max_tokens", "kv_budget_exceeded") from None
+    except EngineOverloadedError as exc:
+        raise APIError(429, str(exc), "rate_limit_error", None, "overloaded", retry_after(exc.retry_after_s)) from None
+    except EngineNotReadyError as exc:
+        raise APIError(503, str(exc), "service_unavailable", None, "not_ready", retry_after(exc.retry_after_s)) from None
+
+
+def _log(request_id: str, served: ServedModel, choices: list[Choice], start: float, status: str) -> None:
+    usage = _usage(choices)
+    log.info("%s model=%s prompts=%d prompt=%d completion=%d total=%.3fs finish=%s", request_id, served.name,
+             len(choices), usage["prompt_tokens"], usage["completion_tokens"], time.perf_counter() - start, status)
+
+
+def _logprobs(choice: Choice, out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
+    """This step's tokens in the legacy shape, appended to the choice's too."""
+    new: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = len(choice.text)  # before this step's text joins it
+    for lp in out.logprobs:
+        if lp is None:
+            continue
+        text, _ = token_text_and_bytes(tokenizer, lp.token_id)
+        new["tokens"].append(text)
+        new["token_logprobs"].append(lp.logprob)
+        new["top_logprobs"].append({token_text_and_bytes(tokenizer, t)[0]: p for t, p in lp.top})
+        new["text_offset"].append(offset)
+        offset += len(text)
+    choice.tokens += new["tokens"]
+    choice.token_logprobs += new["token_logprobs"]
+    choice.top_logprobs += new["top_logprobs"]
+    choice.text_offset += new["text_offset"]
+    return new
+
+
+def _body(request_id: str, created: int, model: str, choices: list[Choice], req: CompletionRequest,
+          usage: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": request_id, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason or "length",
+                     "logprobs": _choice_logprobs(c) if req.logprobs is not None else None} for c in choices],
+    }
+    if usage:
+        body["usage"] = _usage(choices)
+    return body
+
+
+def _choice_logprobs(choice: Choice) -> dict[str, Any]:
+    return {"tokens": choice.tokens, "token_logprobs": choice.token_logprobs, "top_logprobs": choice.top_logprobs,
+            "text_offset": choice.text_offset}
+
+
+def _usage(choices: list[Choice]) -> dict[str, int]:
+    prompt = sum(len(c.prompt_ids) for c in choices)
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _stream(request_id: str, created: int, served: ServedModel, choices: list[Choice],
+                  params: SamplingParams | None, req: CompletionRequest, state: ServerState,
+                  start: float) -> AsyncIterator[str]:
+    """SSE: a chunk per choice per step, a last chunk with usage when asked, then [DONE]; an error
+    after the stream began is an error event, then [DONE]."""
+    updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] = asyncio.Queue()
+    head = {"id": request_id, "object": "text_completion", "created": created, "model": served.name}
+    if req.echo:
+        for choice in choices:
+            yield sse_event({**head, "choices": [{"index": choice.index, "text": choice.prompt_text,
+                                                  "logprobs": None, "finish_reason": choice.finish_reason}]})
+    if params is None:
+        yield "data: [DONE]\n\n"
+        return
+    runner = asyncio.ensure_future(_run_all(request_id, served, choices, params, state, updates))
+    status = "disconnected"
+    try:
+        while not (runner.done() and updates.empty()):
+            getter = asyncio.ensure_future(updates.get())
+            await asyncio.wait({getter, runner}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                continue
+            choice, delta, logprobs = getter.result()
+            yield sse_event({**head, "choices": [{"index": choice.index, "text": delta, "logprobs": logprobs,
+                                                  "finish_reason": choice.finish_reason}]})
+        runner.result()  # its error, if any
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield sse_event({**head, "choices": [], "usage": _usage(choices)})
+        status = "ok"
+    except APIError as exc:
+        status = f"error_{exc.status}"
+        yield sse_event({"error": exc.body()["error"]})
+    finally:
+        _log(request_id, served, choices, start, status)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+    yield "data: [DONE]\n\n"
+
+
