@@ -197,11 +197,31 @@ def test_sigterm_ends_streams_with_an_error_and_exits_quickly(gemma4_micro, tmp_
         assert events and error is not None and "shutting down" in str(error)
 
 
-def test_a_model_that_fails_to_load_exits_non_zero_with_a_clear_message(tmp_path):
+def test_models_that_fail_to_load_exit_non_zero_with_one_line_naming_each(tmp_path, gemma4_micro):
+    """A directory without weights (mlx-vlm's answer is a 15-line hint) and a missing one, beside a
+    good model: one error line names both, and the process exits 1."""
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "gemma4"}')
-    result = subprocess.run([sys.executable, "-m", "vlmserve.cli", "serve", "--model", str(broken), "--port", "0"],
+    missing = tmp_path / "missing-model"
+    args = ["--model", str(broken), "--model", str(gemma4_micro), "--model", str(missing), "--port", "0"]
+    result = subprocess.run([sys.executable, "-m", "vlmserve.cli", "serve", *args],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
-    assert "failed to load" in result.stderr and str(broken) in result.stderr
+    assert result.returncode == 1
+    (line,) = [line for line in result.stderr.splitlines() if "error:" in line and "cannot load" in line]
+    assert f"{broken}': no *.safetensors weights" in line and f"{missing}': no such directory" in line
+    assert "Create safetensors" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_port_in_use_is_one_line_naming_the_flag(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "vlmserve.cli", "serve", "--port", str(port)],
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert f"vlmserve: error: cannot listen on 127.0.0.1:{port}:" in result.stderr and "--port" in result.stderr
+    assert "Traceback" not in result.stderr

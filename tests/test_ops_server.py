@@ -172,7 +172,11 @@ def test_serve_logs_its_address_load_and_a_line_per_request(ops_server, gemma4_m
     _post(ops_server, {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
     log = ops_server.log
     stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO "
-    assert re.search(stamp + rf"vlmserve.server: .* on http://127.0.0.1:{ops_server.port}$", log, re.M), log
+    url = f"http://127.0.0.1:{ops_server.port}"
+    loading = re.search(stamp + rf"vlmserve.server: vlmserve \S+ loading .*; it will serve on {url} once ready$", log, re.M)
+    serving = re.search(stamp + rf"vlmserve.server: vlmserve \S+ serving .* on {url} \(the playground: {url}/; an API "
+                                r"key is required\)$", log, re.M)
+    assert loading and serving and loading.start() < log.index("loaded in") < serving.start(), log
     assert re.search(stamp + r".*loaded in [\d.]+ s, warmed up in [\d.]+ s", log, re.M), log
     assert re.search(stamp + r"vlmserve.requests: chatcmpl-\w+ model=.* prompt=\d+ completion=2 ttft=[\d.]+s "
                              r"total=[\d.]+s finish=length$", log, re.M), log

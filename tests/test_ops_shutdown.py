@@ -118,6 +118,7 @@ def test_a_second_signal_stops_at_once(gemma4_micro, tmp_path, second):
         t.join(30)
     assert rc == 0 and took < 30
     assert all(_finishes(stream)[0] == "error" for stream in events)
+    assert "Traceback" not in server.log and "CancelledError" not in server.log  # the stop asked for, not a crash
 
 
 def test_every_request_the_drain_ends_gets_503_shutting_down(gemma4_micro, tmp_path):
@@ -167,3 +168,18 @@ def test_every_request_the_drain_ends_gets_503_shutting_down(gemma4_micro, tmp_p
     for response in plain.values():
         assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down"
     assert "engine_error" not in server.log
+
+
+def test_two_quick_ctrl_cs_exit_without_a_traceback(gemma4_micro, tmp_path):
+    """Ctrl-C, then Ctrl-C again while a stream drains: uvicorn logged its cancelled lifespan task
+    as a traceback; that is the stop the user asked for."""
+    server = start_server(["--model", str(gemma4_micro)], tmp_path / "server.log")
+    threads, _ = _run_streams(server, gemma4_micro.name, 2000, n=1)
+    time.sleep(0.5)
+    server.proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(60) in (0, 1, -signal.SIGINT)
+    for t in threads:
+        t.join(30)
+    assert "Traceback" not in server.log and "CancelledError" not in server.log, server.log[-2000:]

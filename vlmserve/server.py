@@ -93,11 +93,29 @@ def listening_socket(uv_config: uvicorn.Config) -> socket.socket:
       without it a response's body waited for the client's delayed ACK of its headers, 45 ms more
       per keep-alive request (measured, with the openai SDK's httpx).
     """
-    sock = uv_config.bind_socket()
+    family = socket.AF_INET6 if ":" in uv_config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:  # as uvicorn's bind_socket does, but an OSError comes back to the caller (it exits the process)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((uv_config.host, uv_config.port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
+
+
+def _no_cancelled_tracebacks(record: logging.LogRecord) -> bool:
+    """uvicorn logs its cancelled lifespan task with a traceback when a second Ctrl-C stops the
+    server at once: that is the stop asked for, not an error."""
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, asyncio.CancelledError):
+        return False
+    text = str(record.msg)  # uvicorn's lifespan logs the formatted traceback as the message
+    return not (text.startswith("Traceback") and text.rstrip().endswith("CancelledError"))
 
 
 def freeze_heap() -> None:
@@ -116,7 +134,16 @@ def serve(config: ServeConfig) -> int:
         print(f"vlmserve: error: {exc}", file=sys.stderr)
         return 1
     holder: list[_Server] = []
-    app = create_app(state, on_fatal=lambda message: holder[0].fail(message), on_ready=freeze_heap)
+    scheme = "https" if config.ssl_certfile else "http"
+    url = f"{scheme}://{config.host}:{config.port}"
+
+    def ready() -> None:
+        freeze_heap()
+        log.info("vlmserve %s serving %s on %s (the playground: %s/; %s)", __version__,
+                 ", ".join(m.name for m in state.models), url, url,
+                 "an API key is required" if config.api_key else "no API key is required")
+
+    app = create_app(state, on_fatal=lambda message: holder[0].fail(message), on_ready=ready)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                timeout_graceful_shutdown=5, access_log=False, http=guarded_protocol(config.header_timeout_s),
                                timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]  # a delay
@@ -124,9 +151,16 @@ def serve(config: ServeConfig) -> int:
                                log_config=None)  # uvicorn logs through ours: timestamps, one format
     server = _Server(uv_config, state, config.shutdown_timeout)
     holder.append(server)
-    log.info("vlmserve %s serving %s on %s://%s:%d", __version__, ", ".join(m.name for m in state.models),
-             "https" if config.ssl_certfile else "http", config.host, config.port)
-    server.run(sockets=[listening_socket(uv_config)])
+    try:
+        sock = listening_socket(uv_config)
+    except OSError as exc:
+        print(f"vlmserve: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc} "
+              "(choose another --port or --host)", file=sys.stderr)
+        return 1
+    log.info("vlmserve %s loading %s; it will serve on %s once ready", __version__,
+             ", ".join(m.name for m in state.models), url)
+    logging.getLogger("uvicorn.error").addFilter(_no_cancelled_tracebacks)
+    server.run(sockets=[sock])
     if server.fatal:
         print(f"vlmserve: error: {server.fatal}", file=sys.stderr)
         return 1

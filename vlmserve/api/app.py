@@ -64,17 +64,25 @@ def create_app(state: ServerState, on_fatal: Callable[[str], None] | None = None
 
 async def _start_engines(state: ServerState, on_fatal: Callable[[str], None] | None,
                          on_ready: Callable[[], None] | None) -> None:
+    """Each model in turn; one that fails does not stop the others loading, so that every bad
+    ``--model`` is named at once. Any failure is fatal (one line each), reported once the rest are tried."""
+    failures = []
     for served in state.models:
         try:
             await served.engine.start()
         except Exception as exc:  # noqa: BLE001 - reported once, clearly, then the server exits
-            message = f"model {served.name!r} failed to load: {exc}"
-            log.error(message)
-            if on_fatal is not None:
-                on_fatal(message)
-            return
+            said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            failures.append(said if "cannot load model" in said else f"model {served.name!r} failed to load: {said}")
+            await served.engine.shutdown(said)
+            continue
         log.info("model %s ready (tool parser: %s)", served.name, served.tool_parser)
-    if on_ready is not None:
+    if failures:
+        message = "; ".join(failures)
+        if on_fatal is None:
+            log.error(message)
+        else:
+            on_fatal(message)
+    elif on_ready is not None:
         on_ready()
 
 

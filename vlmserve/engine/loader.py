@@ -65,7 +65,8 @@ def load_model(path_or_id: str, name: str | None = None, dtype: str = DEFAULT_DT
         _cast_floats(model, serving_dtype(dtype, model))
         mx.eval(model.parameters())
     except Exception as exc:  # noqa: BLE001 - every loader failure becomes one clear error
-        raise ModelLoadError(f"cannot load model {path_or_id!r}: {type(exc).__name__}: {exc}") from exc
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")  # not a page of hints
+        raise ModelLoadError(f"cannot load model {path_or_id!r}: {type(exc).__name__}: {first}") from exc
     config = model.config
     model_type = str(getattr(config, "model_type", "unknown"))
     try:
@@ -122,6 +123,9 @@ def _check_local_path(path_or_id: str) -> None:
         raise ModelLoadError(f"cannot load model {path_or_id!r}: no such directory")
     if path.exists() and not (path / "config.json").is_file():
         raise ModelLoadError(f"cannot load model {path_or_id!r}: no config.json in {path}")
+    if path.is_dir() and not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"cannot load model {path_or_id!r}: no *.safetensors weights in {path} "
+                             "(python -m mlx_vlm.convert makes them from a Hugging Face checkpoint)")
 
 
 def _eos_token_ids(config: Any, processor: Any) -> frozenset[int]:
