@@ -86,8 +86,31 @@ def test_logprobs_in_the_legacy_shape(client, gemma4_micro):
     assert all(t in reply.choices[0].text for t in whole)
 
 
+def test_what_lm_evaluation_harness_sends_to_score_likelihoods(server, client, gemma4_micro):
+    """Its local-completions model: a batch of token-id prompts, echo, logprobs 1, max_tokens 1 (or
+    0), temperature 0. It reads token_logprobs and the top_logprobs dict at every prompt position,
+    the first one null, and calls a continuation greedy where each token's logprob is its dict's max."""
+    model = gemma4_micro.name
+    contexts = [_ids(server, model, t) for t in ("The red circle is", "A blue square and a green")]
+    for max_tokens in (1, 0):
+        reply = client.completions.create(model=model, prompt=contexts, echo=True, logprobs=1, max_tokens=max_tokens,
+                                          temperature=0)
+        for ids, choice in zip(contexts, reply.choices):
+            lp = choice.logprobs
+            assert len(lp.token_logprobs) == len(ids) + max_tokens == len(lp.top_logprobs) == len(lp.tokens)
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            for token, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+                assert token <= 0 and max(top.values()) >= token and len(top) in (1, 2)
+        assert reply.usage.completion_tokens == len(contexts) * max_tokens
+    alone = client.completions.create(model=model, prompt=contexts[0], echo=True, logprobs=1, max_tokens=0)
+    assert alone.choices[0].logprobs.token_logprobs == reply.choices[0].logprobs.token_logprobs
+    streamed = [c for c in client.completions.create(model=model, prompt=contexts[0], echo=True, logprobs=1,
+                                                       max_tokens=2, temperature=0, stream=True)]
+    first = streamed[0].choices[0]
+    assert first.logprobs.token_logprobs[:len(contexts[0])] == alone.choices[0].logprobs.token_logprobs
+
+
 @pytest.mark.parametrize("extra, param", [
-    ({"echo": True, "logprobs": 1}, "echo"),
     ({"n": 2}, "n"),
     ({"best_of": 3}, "best_of"),
     ({"suffix": "end"}, "suffix"),

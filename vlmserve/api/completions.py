@@ -5,10 +5,12 @@ own choice (``index`` in prompt order), and the batch's prompts run side by side
 as the batch takes. Strings are tokenized on the pool as the model's tokenizer does (its BOS
 included). ``echo`` puts the prompt's text before the completion; ``max_tokens: 0`` with ``echo``
 answers with the prompt alone. ``logprobs: k`` gives the legacy shape (``tokens``,
-``token_logprobs``, ``top_logprobs`` with k alternatives, ``text_offset``) for the generated tokens.
+``token_logprobs``, ``top_logprobs`` with k alternatives, ``text_offset``) for the generated tokens;
+with ``echo``, for the prompt's own tokens first (each given those before it, the first ``null``:
+what lm-evaluation-harness's ``local-completions`` scores likelihoods with; such a prompt is
+prefilled alone, by tokens, and reuses no cached prefix).
 
-Refused with a 400, never ignored: ``echo`` with ``logprobs`` (the prompt's own logprobs, which
-lm-evaluation-harness reads, are not computed yet), ``n``/``best_of`` over 1, ``suffix``, and a
+Refused with a 400, never ignored: ``n``/``best_of`` over 1, ``suffix``, and a
 prompt holding the model's image, video or audio placeholder (no pixels come with it). Other special
 tokens are the prompt's own business: a raw completion prompt writes its chat turns itself.
 """
@@ -84,8 +86,8 @@ class Choice:
     text: str = ""
     finish_reason: str | None = None
     tokens: list[str] = dataclasses.field(default_factory=list)
-    token_logprobs: list[float] = dataclasses.field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    token_logprobs: list[float | None] = dataclasses.field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = dataclasses.field(default_factory=list)
     text_offset: list[int] = dataclasses.field(default_factory=list)
     completion_tokens: int = 0
 
@@ -104,9 +106,10 @@ async def create_completion(req: CompletionRequest, http: Request, state: Server
     texts = await asyncio.gather(*(engine.on_pool(partial(PromptBuilder.detokenize, token_ids=ids)) for ids in prompts)) \
         if req.echo else [""] * len(prompts)
     # echo: the text starts with the prompt's; max_tokens 0 (with echo): the prompt alone, no generation
+    # unless its logprobs are asked (then one token is generated for them, and dropped)
     choices = [Choice(i, ids, text, text) for i, (ids, text) in enumerate(zip(prompts, texts))]
-    generate = req.max_tokens != 0
-    for choice in choices if not generate else ():
+    generate = req.max_tokens != 0 or params.prompt_logprobs is not None
+    for choice in choices if req.max_tokens == 0 else ():
         choice.finish_reason = "length"
     created, start = int(time.time()), time.perf_counter()
     if req.stream:
@@ -131,9 +134,6 @@ async def create_completion(req: CompletionRequest, http: Request, state: Server
 
 
 def _refuse_unsupported(req: CompletionRequest) -> None:
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs: the prompt's own logprobs are not computed by this server yet",
-                          "echo", "unsupported_value")
     for name, value in (("n", req.n), ("best_of", req.best_of)):
         if value not in (None, 1):
             raise bad_request(f"{name}: only 1 is supported", name, "unsupported_value")
@@ -179,12 +179,15 @@ async def _prompt_ids(req: CompletionRequest, served: ServedModel, vocab: int) -
 
 
 def _params(req: CompletionRequest, state: ServerState, vocab: int) -> SamplingParams:
-    return sampling_params(
+    params = sampling_params(
         max_tokens=req.max_tokens or 1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
         logit_bias=req.logit_bias, vocab_size=vocab, default_max_tokens=state.config.default_max_tokens)
+    if req.echo and req.logprobs is not None:  # the prompt's own, as lm-evaluation-harness scores it
+        params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+    return params
 
 
 async def _run_all(request_id: str, served: ServedModel, choices: list[Choice], params: SamplingParams,
@@ -213,6 +216,14 @@ async def _run_one(request_id: str, served: ServedModel, choice: Choice, params:
     stream = engine.generate(request_id, PromptInputs(choice.prompt_ids), params)
     try:
         async for out in _checked(stream, request_id):
+            if out.prompt_logprobs is not None:
+                scored = _prompt_logprobs(choice, out.prompt_logprobs, tokenizer)
+                if updates is not None:
+                    await updates.put((choice, choice.prompt_text, scored))
+            if choice.finish_reason is not None:  # max_tokens 0: the token made for the prompt's logprobs
+                if updates is not None and out.finished:
+                    await updates.put((choice, "", None))
+                continue
             delta = out.text
             logprobs = _logprobs(choice, out, tokenizer) if params.logprobs else None
             choice.text += delta
@@ -246,6 +257,29 @@ def _log(request_id: str, served: ServedModel, choices: list[Choice], start: flo
     usage = _usage(choices)
     log.info("%s model=%s prompts=%d prompt=%d completion=%d total=%.3fs finish=%s", request_id, served.name,
              len(choices), usage["prompt_tokens"], usage["completion_tokens"], time.perf_counter() - start, status)
+
+
+def _prompt_logprobs(choice: Choice, scored: tuple[Any, ...], tokenizer: Any) -> dict[str, Any]:
+    """The prompt's tokens in the legacy shape, the first with no logprob (nothing comes before it);
+    they open the choice's arrays. Each position's alternatives include its own token."""
+    new: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for token_id, lp in zip(choice.prompt_ids, scored):
+        text = token_text_and_bytes(tokenizer, token_id)[0]
+        new["tokens"].append(text)
+        new["text_offset"].append(offset)
+        offset += len(text)
+        if lp is None:
+            new["token_logprobs"].append(None)
+            new["top_logprobs"].append(None)
+            continue
+        top = {token_text_and_bytes(tokenizer, t)[0]: p for t, p in lp.top}
+        top[text] = lp.logprob
+        new["token_logprobs"].append(lp.logprob)
+        new["top_logprobs"].append(top)
+    for key, values in new.items():
+        getattr(choice, key)[:0] = values
+    return new
 
 
 def _logprobs(choice: Choice, out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
@@ -298,7 +332,7 @@ async def _stream(request_id: str, created: int, served: ServedModel, choices: l
     after the stream began is an error event, then [DONE]."""
     updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] = asyncio.Queue()
     head = {"id": request_id, "object": "text_completion", "created": created, "model": served.name}
-    if req.echo:
+    if req.echo and req.logprobs is None:  # with logprobs, the prompt comes with its own when known
         for choice in choices:
             yield sse_event({**head, "choices": [{"index": choice.index, "text": choice.prompt_text,
                                                   "logprobs": None, "finish_reason": choice.finish_reason}]})

@@ -46,6 +46,7 @@ class _Pending:
     req: Request | None  # None for an abort that overtook its request
     tokens: list[int] = field(default_factory=list)
     logprobs: list[object] = field(default_factory=list)
+    prompt_logprobs: tuple[object, ...] | None = None
     finish: RequestStatus | None = None
     error: str | None = None
 
@@ -67,6 +68,7 @@ def new_request(loaded: LoadedModel, request_id: str, prompt: PromptInputs, para
     """A request as the scheduler sees it, with what the family allows its prompt."""
     req = Request(request_id, prompt, params, eos_token_ids=loaded.eos_token_ids, max_context=loaded.max_context)
     req.chunkable, req.batchable = loaded.adapter.can_chunk(prompt), loaded.adapter.can_batch(prompt)
+    req.batchable = req.batchable and params.prompt_logprobs is None  # its logits are taken alone
     return req
 
 
@@ -202,8 +204,10 @@ class EngineCore:
             req = update.request
             pending = self._pending_for(req)
             if update.token_id is not None:
+                sample = output.samples[req.request_id]
                 pending.tokens.append(update.token_id)
-                pending.logprobs.append(output.samples[req.request_id].logprob)
+                pending.logprobs.append(sample.logprob)
+                pending.prompt_logprobs = sample.prompt_logprobs or pending.prompt_logprobs
                 m.generated_tokens += 1
             if update.finish is not None:
                 self._requests.pop(req.request_id, None)
@@ -227,7 +231,7 @@ class EngineCore:
         outputs = tuple(
             StepOutput(p.request_id, tuple(p.tokens), tuple(p.logprobs), p.finish.value if p.finish else None,
                        p.error, p.req.num_prompt_tokens if p.req else 0, p.req.num_cached_tokens if p.req else 0,
-                       self.metrics.steps)
+                       self.metrics.steps, p.prompt_logprobs)
             for p in self._pending.values()
         )
         self._pending.clear()

@@ -39,6 +39,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # False keeps tool-call markers in the text for the parser
     guide: Guide | None = None  # constrained decoding: only tokens the grammar allows
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, what to add to its logit), as OpenAI's
+    # The prompt's own logprobs (each token given those before it), with this many alternatives:
+    # None: not computed. The prompt is then prefilled by tokens, alone, without the prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -51,8 +54,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0 and min_p in [0, 1]")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
-        if not 0 <= self.top_logprobs <= 20:
-            raise ValueError("top_logprobs must be in [0, 20]")
+        if not 0 <= self.top_logprobs <= 20 or not 0 <= (self.prompt_logprobs or 0) <= 20:
+            raise ValueError("top_logprobs and prompt_logprobs must be in [0, 20]")
         if any(t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias):
             raise ValueError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
 

@@ -28,6 +28,8 @@ class Sample:
 
     token_id: int
     logprob: TokenLogprob | None = None
+    # With a prompt's first token, when it asked: each prompt position's logprob (the first None)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -43,6 +43,7 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     step: int = 0  # the engine step that produced it (admission delay, tests)
+    prompt_logprobs: tuple[Any, ...] | None = None  # with the first token, when the request asked
 
 
 @dataclass(slots=True)

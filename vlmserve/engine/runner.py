@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import mlx.core as mx
@@ -28,7 +28,15 @@ from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.models import Embedded
 from vlmserve.engine.models.base import tapped
 from vlmserve.engine.params import HostArray, ImageItem, PromptInputs, SamplingParams
-from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, RunnerOutput, Sample, SchedulerOutput
+from vlmserve.engine.plan import (
+    EncodeChunk,
+    NewRequest,
+    PrefillChunk,
+    RunnerOutput,
+    Sample,
+    SchedulerOutput,
+    TokenLogprob,
+)
 from vlmserve.engine.sampler import RowState, sample
 
 log = logging.getLogger(__name__)
@@ -45,6 +53,7 @@ class PromptRow:
     embedded: Embedded | None = None  # after ``encode``; freed once the prompt is in the cache
     hidden: mx.array | None = None  # split by layers: the hidden state after the layers done so far
     vision_hidden: mx.array | None = None  # its image split by tower blocks: the state after those done
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: each position's so far
 
 
 class ModelRunner:
@@ -107,7 +116,10 @@ class ModelRunner:
         assert not (new.prompt.has_images and new.num_cached), "image prompts never reuse KV"
         input_ids = mx.array(new.prompt.input_ids, dtype=mx.int32)[None]
         cache = new.prefix if new.prefix is not None else self.adapter.make_cache()
-        self.prompts[new.request_id] = PromptRow(new.prompt, new.params, input_ids, cache)
+        row = self.prompts[new.request_id] = PromptRow(new.prompt, new.params, input_ids, cache)
+        if new.params.prompt_logprobs is not None:
+            assert not new.num_cached, "a scored prompt reuses no KV"
+            row.prompt_logprobs = [None]  # the first token has nothing before it
 
     def embedding_groups(self, request_ids: list[str]) -> list[list[str]]:
         """Prompts in the groups ``_encode`` takes: image prompts whose images have one shape
@@ -198,6 +210,8 @@ class ModelRunner:
             if not chunk.final:
                 mx.eval(row.hidden, [c.state for c in row.cache[chunk.first_layer:last]])
                 return
+        elif row.prompt_logprobs is not None:
+            logits = self._prefill_scored(row, embedded, chunk)
         else:
             logits = self._prefill_tokens(row, embedded, chunk)
         if chunk.end < embedded.inputs_embeds.shape[1]:
@@ -205,10 +219,32 @@ class ModelRunner:
             return
         mx.eval(logits, [c.state for c in row.cache], embedded.row_state)
         (first,), sampling = self._sample_first(logits, [row])
+        if row.prompt_logprobs is not None:
+            first = replace(first, prompt_logprobs=tuple(row.prompt_logprobs))
         out.samples[chunk.request_id] = first
         if chunk.store_prefix:
             self.caches.store_prefix(row.prompt.input_ids, row.cache)
         self._join([chunk.request_id], [type(c).merge([c]) for c in row.cache], embedded.row_state, sampling, [first])
+
+    def _prefill_scored(self, row: PromptRow, embedded: Embedded, chunk: PrefillChunk) -> mx.array:
+        """A chunk whose every position's logits are kept: each next prompt token's logprob (and the
+        ``prompt_logprobs`` best alternatives) joins the row's; returns the last position's logits."""
+        assert row.prompt_logprobs is not None
+        logits = self.adapter.prefill(row.input_ids, embedded, chunk.start, chunk.end, row.cache, every_position=True)
+        targets = row.input_ids[0, chunk.start + 1:chunk.end + 1]  # the token each position predicts
+        scored = logits[: targets.shape[0]].astype(mx.float32)
+        scored = scored - mx.logsumexp(scored, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(scored, targets[:, None], axis=-1)[:, 0]
+        k = row.params.prompt_logprobs or 0
+        best = mx.argpartition(-scored, kth=k - 1, axis=-1)[:, :k] if k else mx.zeros((targets.shape[0], 0), mx.int32)
+        best_lp = mx.take_along_axis(scored, best, axis=-1)
+        rows = zip(cast(list[int], targets.tolist()), cast(list[float], chosen.tolist()),
+                   cast(list[list[int]], best.tolist()), cast(list[list[float]], best_lp.tolist()))
+        for token, lp, ids, lps in rows:
+            top = tuple(sorted(zip(ids, lps), key=lambda t: -t[1]))
+            row.prompt_logprobs.append(TokenLogprob(token, lp, top))
+        last: mx.array = logits[-1:]
+        return last
 
     def _prefill_tokens(self, row: PromptRow, embedded: Embedded, chunk: PrefillChunk) -> mx.array:
         start, end = chunk.start, chunk.end

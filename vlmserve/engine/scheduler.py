@@ -25,6 +25,8 @@ from vlmserve.engine.params import PromptInputs, pixel_count
 from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, RunnerOutput, SchedulerOutput
 from vlmserve.engine.request import Request, RequestStatus
 
+SCORED_CHUNK = 128  # prompt tokens a step for a prompt whose logprobs are asked: its logits are [n, vocab]
+
 
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
@@ -163,7 +165,8 @@ class Scheduler:
     def _prefix_cacheable(self, req: Request) -> bool:
         # Never reuse KV for a prompt with pixel_values: same tokens, different image.
         enabled = self.caches is not None and self.caches.prefix_enabled
-        return enabled and self.config.reuses_prefix and not req.prompt.has_images
+        scored = req.params.prompt_logprobs is not None  # every position's logits are computed: none reused
+        return enabled and self.config.reuses_prefix and not req.prompt.has_images and not scored
 
     def _plan_encode(self, budget: int | None, tokens: int | None, others: bool) -> tuple[list[EncodeChunk], float]:
         """Image prompts to embed this step, in admission order: while ``budget`` images and ``tokens``
@@ -224,6 +227,8 @@ class Scheduler:
         first = not budgets.prefill
         if req.chunkable:
             n = min(end - start, max(budgets.tokens, 0))
+            if req.params.prompt_logprobs is not None:  # logits for every position: [n, vocab] floats
+                n = min(n, SCORED_CHUNK)
             budgets.tokens -= n
             return self._tokens_chunk(req, start, start + n) if n > 0 else None
         if not req.num_computed_layers and (end - start <= budgets.tokens or (start and first)):

@@ -25,6 +25,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     engine_step: int = 0
+    prompt_logprobs: tuple[Any, ...] | None = None  # TokenLogprob or None per prompt position, when asked
 
     @property
     def finished(self) -> bool:
@@ -53,6 +54,7 @@ class OutputProcessor:
         return RequestOutput(
             out.request_id, text, out.token_ids, out.logprobs, finish or out.finish_reason,
             out.num_prompt_tokens, self.num_completion_tokens, out.num_cached_tokens, out.error, out.step,
+            out.prompt_logprobs,
         )
 
     def _apply_stop(self, text: str, final: bool) -> tuple[str, str | None]:

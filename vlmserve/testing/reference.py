@@ -25,3 +25,14 @@ def reference_greedy(model: Any, prompt: PromptInputs, max_tokens: int) -> list[
     mask = mx.ones(input_ids.shape, dtype=mx.int32)  # the processor's attention mask for one prompt
     steps = generate_step(input_ids, model, pixel_values, mask, max_tokens=max_tokens, temperature=0.0, **arrays)
     return [int(token) for token, _ in steps]
+
+
+def reference_prompt_logprobs(model: Any, prompt: PromptInputs) -> list[float | None]:
+    """Each prompt token's logprob given the tokens before it, from one whole forward of mlx-vlm's
+    model (no cache, no chunks); the first is None."""
+    input_ids = mx.array(prompt.input_ids, dtype=mx.int32)[None]
+    out = model(input_ids, None)  # no mask: the causal one, as generate_step's prefill has
+    logits = out.logits[0].astype(mx.float32)
+    scored = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(scored[:-1], input_ids[0, 1:, None], axis=-1)[:, 0]
+    return [None, *(float(x) for x in chosen.tolist())]

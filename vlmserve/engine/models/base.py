@@ -122,16 +122,20 @@ class ModelAdapter:
         """Per-request state decode needs on every step; none by default."""
         return {}
 
-    def prefill(self, input_ids: mx.array, embedded: Embedded, start: int, end: int, cache: list[Any]) -> mx.array:
-        """Run prompt tokens ``[start, end)`` into ``cache``; returns the last position's logits."""
+    def prefill(self, input_ids: mx.array, embedded: Embedded, start: int, end: int, cache: list[Any],
+                every_position: bool = False) -> mx.array:
+        """Run prompt tokens ``[start, end)`` into ``cache``; returns the last position's logits
+        ``[1, vocab]``, or with ``every_position`` each position's ``[end - start, vocab]``."""
+        # Gemma 4 computes the head for the last position only with logits_to_keep=1; others ignore it
+        keep = {} if every_position else {"logits_to_keep": 1}
         out = self.language_model(
             input_ids[:, start:end],
             inputs_embeds=embedded.inputs_embeds[:, start:end],
             cache=cache,
-            logits_to_keep=1,  # Gemma 4 computes the head for the last position only; others ignore it
+            **keep,
             **embedded.lm_kwargs,
         )
-        logits: mx.array = out.logits[:, -1, :]
+        logits: mx.array = out.logits[0] if every_position else out.logits[:, -1, :]
         return logits
 
     def prefill_rows(self, input_ids: list[mx.array], embedded: list[Embedded],
