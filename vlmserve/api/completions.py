@@ -33,7 +33,7 @@ from pydantic import Field
 from vlmserve.api.chat import SSE_HEADERS, disconnected, engine_fault, sse_event
 from vlmserve.api.errors import APIError, bad_request, retry_after
 from vlmserve.api.messages import sampling_params
-from vlmserve.api.schemas import SEED_MAX, StreamOptions, _Lenient
+from vlmserve.api.schemas import SamplingFields
 from vlmserve.api.state import ServedModel, ServerState
 from vlmserve.engine.params import PromptInputs, SamplingParams
 from vlmserve.frontend.async_engine import (
@@ -50,30 +50,13 @@ log = logging.getLogger("vlmserve.requests")
 MAX_PROMPTS = 256  # prompts in one request
 
 
-class CompletionRequest(_Lenient):
-    model: str
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # the legacy API's: alternatives per token
     echo: bool = False
-    n: int | None = None
     best_of: int | None = None
     suffix: str | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
 
 
 @dataclasses.dataclass(slots=True)

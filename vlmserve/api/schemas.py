@@ -95,11 +95,10 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Lenient):
+class SamplingFields(_Lenient):
+    """The sampling fields the chat and the (legacy) completions APIs share, and their limits."""
+
     model: str
-    messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
@@ -109,19 +108,25 @@ class ChatCompletionRequest(_Lenient):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)  # token id (a string) to bias
     stream: bool = False
     stream_options: StreamOptions | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    response_format: ResponseFormat | None = None
     n: int | None = None
     user: str | None = None
     # Extensions, as vLLM and mlx-lm name them.
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # the chat template's own variables (enable_thinking)
     # vLLM's older names for structured_outputs' fields (one of them, and not beside it)
