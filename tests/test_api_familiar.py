@@ -106,7 +106,31 @@ def test_https_with_a_certificate(gemma4_micro, tmp_path):
         server.stop()
 
 
+TEMPLATE = ("{% for m in messages %}<|turn>{{ m.role }}\nCUSTOM {{ m.content if m.content is string else "
+            "m.content | map(attribute='text') | join }}<turn|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+
+
+@pytest.mark.parametrize("as_file", [True, False])
+def test_chat_template_replaces_the_models_own(gemma4_micro, tmp_path, as_file):
+    """--chat-template, a file or the template itself: the prompt is what it writes."""
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    server = start_server(["--model", str(gemma4_micro), "--chat-template", str(path) if as_file else TEMPLATE],
+                          tmp_path / "server.log")
+    try:
+        messages = [{"role": "user", "content": "hello there"}]
+        ids = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+        text = httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+        assert text.endswith("user\nCUSTOM hello there<turn|>\n<|turn>model\n"), text
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert client.chat.completions.create(model=gemma4_micro.name, messages=messages, max_tokens=2).choices
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("args, says", [
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template"),
     (["--ssl-keyfile", "/nonexistent.pem"], "go together"),
     (["--limit-mm-per-prompt", '{"audio": 1}'], "--limit-mm-per-prompt"),
     (["--limit-mm-per-prompt", "image=4"], "not JSON"),

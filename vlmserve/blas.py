@@ -47,7 +47,8 @@ def reexec_with_openblas(argv: list[str]) -> None:
     if library is None:
         print(
             "vlmserve: no OpenBLAS found; float32 matmuls run on the wheel's slow reference BLAS "
-            "(install libopenblas0-pthread: a prefill and a training step were ~7x faster with it)",
+            "(install libopenblas0-pthread: float32 matmuls ~28x faster, 5 -> 140 GFLOP/s on 2 cores; a gemma4 "
+            "image prefill 400 -> 60 ms)",
             file=sys.stderr,
         )
         return

@@ -170,6 +170,8 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--stream-stall-timeout", type=float, default=engine.stall_timeout_s,
                      help="seconds a client may read nothing while tokens wait before its request is aborted")
     srv.add_argument("--dtype", default=engine.dtype, choices=DTYPES, help=DTYPE_HELP)
+    srv.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                     help="a Jinja chat template (a file, or the template itself) that replaces every model's own")
     srv.add_argument("--trust-remote-code", action="store_true",
                      help="let transformers run a model repository's own processor code (as vLLM's flag)")
     srv.add_argument("--ssl-keyfile", type=Path, default=None, help="with --ssl-certfile: serve HTTPS")
@@ -205,6 +207,12 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
                 "--keep-alive-timeout > 0")
     if args.vision_cache_mb < 0:
         return "--vision-cache-mb must be >= 0"
+    template = args.chat_template
+    if template is not None and "{" not in template:  # a path: a template always has a {{ or {% in it
+        try:
+            template = Path(template).expanduser().read_text()
+        except OSError as exc:
+            return f"--chat-template {args.chat_template}: {exc.strerror or exc}"
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         return "--ssl-keyfile and --ssl-certfile go together"
     for tls in (args.ssl_keyfile, args.ssl_certfile):
@@ -224,7 +232,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         max_batch_size=args.max_batch_size, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
         stream_prefill_chunk=args.stream_prefill_chunk, stream_step_share=args.stream_step_share,
         encoder_budget=args.encoder_budget, max_model_len=args.max_model_len, prefix_cache=not args.no_prefix_cache,
-        dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+        dtype=args.dtype, trust_remote_code=args.trust_remote_code, chat_template=template,
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
         vision_cache_bytes=int(args.vision_cache_mb * 2**20), stall_timeout_s=args.stream_stall_timeout,
     )

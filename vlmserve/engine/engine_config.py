@@ -27,6 +27,7 @@ class EngineConfig:
     prefix_cache_bytes: int = 1 << 30
     dtype: str = DEFAULT_DTYPE  # the float weights' dtype when served (loader.serving_dtype)
     trust_remote_code: bool = False  # passed to mlx-vlm's loader (a processor with its own code)
+    chat_template: str | None = None  # a Jinja chat template that replaces the model's own
     kv_cache_bytes: int | None = None  # the KV budget; None: sized from the machine's memory (engine/memory.py)
     vision_cache_bytes: int = 256 << 20  # image features kept across requests; 0: off (engine/vision_cache.py)
     stall_timeout_s: float = 30.0  # a consumer that takes no output for this long, with outputs waiting, is aborted

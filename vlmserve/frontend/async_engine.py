@@ -121,6 +121,9 @@ class AsyncEngine:
         began = time.perf_counter()
         self.loaded = await self.worker.run(self._load)
         self.created = int(time.time())
+        if self.config.chat_template is not None:  # before the template is inspected and the processor copied
+            for owner in {id(o): o for o in (self.loaded.processor, self.loaded.tokenizer)}.values():
+                owner.chat_template = self.config.chat_template
         loaded = time.perf_counter()
         self.prompter = await asyncio.get_running_loop().run_in_executor(
             self._pool, PromptBuilder.for_processor, self.loaded.processor, self.config.preprocess_threads)
