@@ -178,3 +178,14 @@ def test_vllms_older_guided_fields_constrain_as_structured_outputs_does(demo_cli
         body = {"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], **extra}
         refused = httpx.post(demo_server.url + "/v1/chat/completions", json=body, timeout=30)
         assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error", refused.text
+
+
+def test_a_forced_call_cut_by_max_tokens_says_length(demo_client):
+    """Streamed and not, with the openai client: finish_reason length, and no call closed for the model."""
+    ask = {"model": DEFAULT_MODEL_NAME, "messages": _ask("What's the weather in Tokyo?"), "tools": [WEATHER_TOOL],
+           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 4,
+           "temperature": 0}
+    reply = demo_client.chat.completions.create(**ask)
+    assert reply.choices[0].finish_reason == "length" and not reply.choices[0].message.tool_calls
+    finishes = [c.choices[0].finish_reason for c in demo_client.chat.completions.create(stream=True, **ask) if c.choices]
+    assert finishes[-1] == "length"

@@ -101,3 +101,17 @@ def test_multi_turn_agent_history_renders_in_gemma4_syntax(gemma4_micro):
     assert "<|tool>declaration:get_weather{" in text
     assert '<|tool_call>call:get_weather{location:<|"|>Tokyo<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>' in text
     assert "<|tool_response>response:get_weather{" in text and "21 degrees" in text
+
+
+def test_a_call_cut_by_the_token_limit_says_length_and_stays_what_the_model_wrote(tokenizer):
+    """Issue 32: a call cut by max_tokens was closed for the model and reported as tool_calls."""
+    cut = MALFORMED[: MALFORMED.index("celsius")]
+    ids = tokenizer(cut, add_special_tokens=False)["input_ids"]
+    processor = OutputProcessor(tokenizer, skip_special_tokens=False)
+    builder = ChoiceBuilder("chatcmpl-x", "m", tokenizer, "gemma4", WEATHER)
+    for i, token in enumerate(ids):
+        finish = "length" if i == len(ids) - 1 else None
+        builder.step(processor.process(StepOutput("r", (token,), finish_reason=finish, num_prompt_tokens=10)))
+    choice = builder.response(builder.finish_reason("length"), False)["choices"][0]
+    assert choice["finish_reason"] == "length" and not choice["message"].get("tool_calls")
+    assert choice["message"]["content"] == "Let me check." + cut[len("Let me check."):]

@@ -43,7 +43,7 @@ class ChoiceBuilder:
         delta.reasoning, text = self._reasoning.feed(out.text, final=out.finished)
         events = self._parser.feed(text) if self._parser else [ContentDelta(text)]
         if out.finished and self._parser:
-            events += self._parser.finish()
+            events += self._parser.finish(cut=out.finish_reason == "length")
         for event in events:
             if isinstance(event, ContentDelta):
                 delta.content += event.text
@@ -61,9 +61,10 @@ class ChoiceBuilder:
         return self._parser.calls if self._parser else []
 
     def finish_reason(self, engine_reason: str | None) -> str:
-        if self._parser is not None and self._parser.has_tool_calls:
-            return "tool_calls"
-        return "length" if engine_reason == "length" else "stop"
+        """``length`` whenever the token limit ended it, calls or not (a cut call is not one)."""
+        if engine_reason == "length":
+            return "length"
+        return "tool_calls" if self._parser is not None and self._parser.has_tool_calls else "stop"
 
     # -- shapes ------------------------------------------------------------------------
 

@@ -50,10 +50,13 @@ class ToolCallStreamParser:
             pass
         return events
 
-    def finish(self) -> list[StreamEvent]:
-        """Flush at the end of generation: an unclosed call is parsed as it stands."""
+    def finish(self, cut: bool = False) -> list[StreamEvent]:
+        """Flush at the end of generation: an unclosed call is parsed as it stands, unless the token
+        limit ``cut`` it: then it stays what the model wrote, as content (never a call closed for it)."""
         events: list[StreamEvent] = []
-        if self._in_call:
+        if self._in_call and cut:
+            self._content(self._format.start + self._buffer, events)
+        elif self._in_call:
             self._end_call(self._buffer, "", events)
         else:
             self._content(self._buffer, events)
