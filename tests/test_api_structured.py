@@ -189,3 +189,24 @@ def test_a_forced_call_cut_by_max_tokens_says_length(demo_client):
     assert reply.choices[0].finish_reason == "length" and not reply.choices[0].message.tool_calls
     finishes = [c.choices[0].finish_reason for c in demo_client.chat.completions.create(stream=True, **ask) if c.choices]
     assert finishes[-1] == "length"
+
+
+BOUNDED_TOOL = {"type": "function", "function": {"name": "book_trip", "parameters": {
+    "type": "object", "required": ["city", "day", "code"], "properties": {
+        "city": {"type": "string", "maxLength": 20}, "day": {"type": "string", "format": "date"},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}$"}}}}}
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_a_forced_gemma4_call_keeps_the_schemas_string_bounds(demo_client, seed):
+    """Issue 32: Gemma 4's tool grammar wrote strings free (a 304-character city); now maxLength,
+    format and pattern bound them, as response_format does, at temperature 1."""
+    r = demo_client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, messages=_ask("Book me a trip."), tools=[BOUNDED_TOOL], temperature=1.0, seed=seed,
+        tool_choice={"type": "function", "function": {"name": "book_trip"}}, max_tokens=120)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert len(args["city"]) <= 20
+    assert re.fullmatch(r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])", args["day"])
+    assert re.fullmatch(r"[A-Z]{3}", args["code"])

@@ -23,6 +23,34 @@ from vlmserve.tools.registry import ALIASES
 
 _NUMBER = r"/-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,17})?([eE][+-]?[0-9]{1,3})?/"  # bounded: no endless digits
 _INTEGER = r"/-?(0|[1-9][0-9]{0,17})/"
+_ANY, _NOT_SQ, _NOT_DQ = r"[^\n]", r"[^'\n]", r"[^\"\n]"  # a string's characters, in each quoting
+_FORMATS = {  # JSON schema's string formats, as regular expressions
+    "date": r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",
+    "time": r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?(Z|[+-][0-9]{2}:[0-9]{2})?",
+    "date-time": r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
+                 r"(\.[0-9]{1,9})?(Z|[+-][0-9]{2}:[0-9]{2})?",
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "email": r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\.[A-Za-z0-9-]{1,63}){1,8}",
+    "ipv4": r"((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])",
+}
+
+
+def string_regex(schema: dict[str, Any], char: str) -> str | None:
+    """A string value's characters as a regular expression (``char``: any one of them), from its
+    ``pattern``, its ``format`` or its length bounds; None when the schema sets none of them."""
+    pattern, fmt = schema.get("pattern"), schema.get("format")
+    if isinstance(pattern, str) and pattern:  # a search, as JSON schema means it, unless anchored
+        anchored_start = pattern.startswith("^")
+        anchored_end = pattern.endswith("$") and not pattern.endswith("\\$")
+        core = pattern[1 if anchored_start else 0: len(pattern) - 1 if anchored_end else len(pattern)]
+        body = ("" if anchored_start else f"{char}*") + f"({core})" + ("" if anchored_end else f"{char}*")
+        return body.replace("/", "\\/")
+    if isinstance(fmt, str) and fmt in _FORMATS:
+        return _FORMATS[fmt]
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if isinstance(low, int) or isinstance(high, int):
+        return f"{char}{{{max(0, low or 0)},{high if isinstance(high, int) else ''}}}"
+    return None
 
 
 def tool_call_lark(fmt: str, tools: list[dict[str, Any]], tokenizer: Any) -> str:
@@ -125,7 +153,19 @@ class _GemmaArgs:
             return _NUMBER
         if kind == "boolean":
             return '("true" | "false")'
-        return "gstr"
+        return self._string(schema)
+
+    def _string(self, schema: dict[str, Any]) -> str:
+        """``gstr``, or a rule of its own for a string the schema bounds (``minLength``/``maxLength``,
+        ``pattern``, ``format``), in each of the three quotings: what ``response_format`` enforces."""
+        if string_regex(schema, _ANY) is None:
+            return "gstr"
+        name = f"gstr{len(self.rules)}"
+        q, any_, single, double = self.quote, string_regex(schema, _ANY), string_regex(schema, _NOT_SQ), \
+            string_regex(schema, _NOT_DQ)
+        self.rules.append(name + ": " + q + " /" + str(any_) + "/ " + q + ' | "\'" /' + str(single) + '/ "\'"'
+                          + ' | "\\"" /' + str(double) + '/ "\\""')
+        return name
 
     def _object(self, schema: dict[str, Any], depth: int) -> str:
         props = schema.get("properties") or {}
