@@ -118,3 +118,22 @@ def test_enable_thinking_false_closes_qwen3_5s_reasoning(server, client, qwen3_5
     responses = client.responses.create(model=model, input="hi", max_output_tokens=8,
                                         extra_body={"ignore_eos": True, **THINK_ON})
     assert any(item.type == "reasoning" for item in responses.output)
+
+
+def test_mm_processor_kwargs_lower_qwens_pixel_budget_per_request(server, client, qwen3_5_micro, gemma4_micro):
+    """vLLM's mm_processor_kwargs: max_pixels under the model's own gives fewer image tokens, and
+    /tokenize counts the same; over it, or on a processor without a pixel budget, a 400."""
+    picture = {"type": "image_url", "image_url": {"url": image_data_url(scene("circle", (200, 30, 30), size=200))}}
+    messages = [{"role": "user", "content": [picture, {"type": "text", "text": "what?"}]}]
+    ask = {"model": qwen3_5_micro.name, "messages": messages, "max_tokens": 1}
+    full = client.chat.completions.create(**ask).usage.prompt_tokens
+    small = client.chat.completions.create(**ask, extra_body={"mm_processor_kwargs": {"max_pixels": 1024}})
+    assert small.usage.prompt_tokens < full
+    counted = _post(server, "/tokenize", {"model": qwen3_5_micro.name, "messages": messages,
+                                          "mm_processor_kwargs": {"max_pixels": 1024}}).json()["count"]
+    assert counted == small.usage.prompt_tokens
+    for model, kwargs in ((qwen3_5_micro.name, {"max_pixels": 10**9}), (qwen3_5_micro.name, {"do_resize": 0}),
+                          (gemma4_micro.name, {"max_pixels": 1024})):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(**{**ask, "model": model}, extra_body={"mm_processor_kwargs": kwargs})
+        assert refused.value.body["param"] == "mm_processor_kwargs"

@@ -47,7 +47,7 @@ def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str,
         images = [load_image_source(url, media, f"image {i + 1}", prompter.image_limit)
                   for i, url in enumerate(chat.image_urls)]
         return prompter.build(chat.messages, images, chat.tools, chat.instructions, request_id,
-                              add_generation_prompt, chat.template_kwargs)
+                              add_generation_prompt, chat.template_kwargs, chat.image_kwargs)
 
     return ImagePrompt(make) if chat.image_urls else make
 
@@ -107,7 +107,8 @@ async def open_call(req: ChatCompletionRequest, http: Request, state: ServerStat
         raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
                        None, "shutting_down")
     served = state.model(req.model)
-    chat = to_chat_input(req, state.media.max_images, state.config.default_chat_template_kwargs)
+    chat = to_chat_input(req, state.media.max_images, state.config.default_chat_template_kwargs,
+                         served.engine.max_pixels)
     engine = served.engine
     tokenizer = engine.tokenizer  # the loop's own copy
     params = to_sampling_params(req, state.config.default_max_tokens, len(tokenizer) if tokenizer is not None else 0)

@@ -28,6 +28,7 @@ class ChatInput:
     tools: list[dict[str, Any]] | None
     instructions: str = ""  # for the system message, wherever the model's template keeps it
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # the chat template's own variables
+    image_kwargs: dict[str, int] = field(default_factory=dict)  # the processor's min_pixels/max_pixels
 
 
 # apply_chat_template's own arguments, and the template itself: never a template variable from a client
@@ -57,8 +58,28 @@ def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         raise bad_request(f"{where}: {first['msg']}", where, "invalid_value") from None
 
 
+def image_kwargs(given: Mapping[str, int] | None, model_max_pixels: int | None, model: str) -> dict[str, int]:
+    """A request's ``mm_processor_kwargs``: ``min_pixels``/``max_pixels`` for processors that resize to
+    a pixel budget (Qwen's), no more than the model's own ``max_pixels`` (the server's cap)."""
+    if not given:
+        return {}
+    if model_max_pixels is None:
+        raise bad_request(f"mm_processor_kwargs: model {model!r}'s image processor takes no min_pixels/max_pixels",
+                          "mm_processor_kwargs", "unsupported_value")
+    unknown = sorted(set(given) - {"min_pixels", "max_pixels"})
+    if unknown:
+        raise bad_request(f"mm_processor_kwargs: {', '.join(unknown)} cannot be set (min_pixels, max_pixels can)",
+                          "mm_processor_kwargs", "invalid_value")
+    low, high = given.get("min_pixels", 1), given.get("max_pixels", model_max_pixels)
+    if not 1 <= low <= high <= model_max_pixels:
+        raise bad_request(f"mm_processor_kwargs: need 1 <= min_pixels <= max_pixels <= {model_max_pixels} (the "
+                          f"model's own max_pixels)", "mm_processor_kwargs", "invalid_value")
+    return dict(given)
+
+
 def to_chat_input(req: ChatCompletionRequest, max_images: int,
-                  default_template_kwargs: Mapping[str, Any] | None = None) -> ChatInput:
+                  default_template_kwargs: Mapping[str, Any] | None = None,
+                  model_max_pixels: int | None = None) -> ChatInput:
     if req.n not in (None, 1):
         raise bad_request("n: only n=1 is supported", "n", "unsupported_value")
     _check_structures(req)
@@ -68,7 +89,8 @@ def to_chat_input(req: ChatCompletionRequest, max_images: int,
     if len(urls) > max_images:
         raise bad_request(f"messages: {len(urls)} images is over the limit of {max_images} per request", "messages", "too_many_images")
     return ChatInput(messages, urls, _tools_for_template(req), _instructions(req),
-                     template_kwargs(default_template_kwargs or {}, req.chat_template_kwargs))
+                     template_kwargs(default_template_kwargs or {}, req.chat_template_kwargs),
+                     image_kwargs(req.mm_processor_kwargs, model_max_pixels, req.model))
 
 
 def _message(m: Message, index: int, urls: list[str], names: dict[str, str]) -> dict[str, Any]:

@@ -129,6 +129,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # the chat template's own variables (enable_thinking)
+    mm_processor_kwargs: dict[str, int] | None = None  # min_pixels/max_pixels, as vLLM takes them
     # vLLM's older names for structured_outputs' fields (one of them, and not beside it)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None

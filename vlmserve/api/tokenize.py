@@ -34,6 +34,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, int] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -75,8 +76,11 @@ def _chat_factory(req: TokenizeRequest, model: str, state: ServerState) -> Promp
         raise bad_request("add_special_tokens: chat messages are tokenized as the chat template writes them",
                           "add_special_tokens", "unsupported_value")
     body = chat_request({"model": model, "messages": req.messages, "tools": req.tools,
-                         "chat_template_kwargs": req.chat_template_kwargs})
-    chat = to_chat_input(body, state.media.max_images, state.config.default_chat_template_kwargs)
+                         "chat_template_kwargs": req.chat_template_kwargs,
+                         "mm_processor_kwargs": req.mm_processor_kwargs})
+    served = state.model(model)
+    chat = to_chat_input(body, state.media.max_images, state.config.default_chat_template_kwargs,
+                         served.engine.max_pixels)
     return prompt_factory(chat, state.media, f"tokenize-{uuid.uuid4().hex}", req.add_generation_prompt)
 
 

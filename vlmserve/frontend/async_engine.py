@@ -163,6 +163,12 @@ class AsyncEngine:
         """Whether this model's prompts end inside an open ``<think>`` block (Qwen3.5)."""
         return self.prompter is not None and self.prompter.template.opens_reasoning
 
+    @property
+    def max_pixels(self) -> int | None:
+        """The image processor's own pixel budget where it resizes to one (Qwen's), else None."""
+        limit = self.prompter.image_limit if self.prompter is not None else None
+        return limit.area if limit is not None and limit.takes_pixel_kwargs else None
+
     def opens_reasoning_with(self, template_kwargs: Mapping[str, Any]) -> bool:
         """The same, for prompts rendered with these template variables (``enable_thinking: false``)."""
         return self.prompter is not None and self.prompter.opens_reasoning_with(template_kwargs)

@@ -34,6 +34,7 @@ class ProcessorLimit:
     fixed: tuple[int, int] | None = None
     boxes: tuple[tuple[int, int], ...] = ()
     tiles: TileGrid | None = None
+    takes_pixel_kwargs: bool = False  # its processor takes min_pixels/max_pixels per call (Qwen's)
 
     def keeps(self, width: int, height: int) -> tuple[float, float]:
         """The smallest ``(width, height)`` an upright ``width x height`` image may be shrunk to."""
@@ -70,7 +71,7 @@ def processor_limit(processor: Any) -> ProcessorLimit | None:
     size = getattr(ip, "size", None)
     try:
         if getattr(ip, "max_pixels", None) and getattr(ip, "merge_size", None):  # Qwen's smart_resize
-            return ProcessorLimit(kind, area=int(ip.max_pixels))
+            return ProcessorLimit(kind, area=int(ip.max_pixels), takes_pixel_kwargs=True)
         if kind.startswith("Gemma4"):
             patches = int(ip.max_soft_tokens) * int(ip.pooling_kernel_size) ** 2
             return ProcessorLimit(kind, area=patches * int(ip.patch_size) ** 2)

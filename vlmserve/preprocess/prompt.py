@@ -60,17 +60,19 @@ def render_chat(
         raise PromptError(f"chat template failed: {exc}") from exc
 
 
-def encode(processor: Any, text: str, images: Sequence[Image.Image] = ()) -> PromptInputs:
+def encode(processor: Any, text: str, images: Sequence[Image.Image] = (),
+           image_kwargs: Mapping[str, int] | None = None) -> PromptInputs:
     """Tokenize a rendered prompt and preprocess its images with the model's processor.
 
-    Processors are called with nothing but text, images and the tensor type: mlx-vlm's LLaVA
-    processors pass any other keyword to the image processor, which rejects it.
+    Processors are called with nothing but text, images and the tensor type (mlx-vlm's LLaVA
+    processors pass any other keyword to the image processor, which rejects it), and a request's
+    ``image_kwargs`` (``min_pixels``/``max_pixels``, for the processors that take them: Qwen's).
     """
     text = _without_doubled_bos(tokenizer_of(processor), text)
     if not images:
         ids = tokenizer_of(processor)(text)["input_ids"]
         return PromptInputs(input_ids=[int(i) for i in ids])
-    out = processor(text=[text], images=list(images), return_tensors="np")
+    out = processor(text=[text], images=list(images), return_tensors="np", **dict(image_kwargs or {}))
     arrays: dict[str, HostArray] = {}
     for key, value in out.items():
         host = _to_host(value) if key not in ("input_ids", "attention_mask") else None
@@ -101,6 +103,7 @@ def build_prompt(
     control: ControlTokens = ControlTokens(),
     add_generation_prompt: bool = True,
     template_kwargs: Mapping[str, Any] | None = None,
+    image_kwargs: Mapping[str, int] | None = None,
 ) -> PromptInputs:
     """Phase 1 for one request: template, tokenize, preprocess images; logs when slow.
 
@@ -116,7 +119,7 @@ def build_prompt(
     messages, tools = adapt_messages(messages, tools, template, instructions)
     text = render_chat(processor, messages, tools, add_generation_prompt, template_kwargs)
     try:
-        prompt = encode(processor, text, images)
+        prompt = encode(processor, text, images, image_kwargs)
     except Exception as exc:  # noqa: BLE001 - e.g. image tokens typed into the text: the input's fault
         raise PromptError(f"could not process the prompt: {type(exc).__name__}: {exc}") from exc
     elapsed = time.perf_counter() - start
@@ -159,11 +162,12 @@ class PromptBuilder:
     def build(self, messages: Sequence[dict[str, Any]], images: Sequence[Image.Image] = (),
               tools: Sequence[dict[str, Any]] | None = None, instructions: str = "",
               request_id: str = "-", add_generation_prompt: bool = True,
-              template_kwargs: Mapping[str, Any] | None = None) -> PromptInputs:
+              template_kwargs: Mapping[str, Any] | None = None,
+              image_kwargs: Mapping[str, int] | None = None) -> PromptInputs:
         processor = self._borrow()
         try:
             return build_prompt(processor, messages, images, tools, self.template, instructions, request_id,
-                                self.control, add_generation_prompt, template_kwargs)
+                                self.control, add_generation_prompt, template_kwargs, image_kwargs)
         finally:
             self.spares.put(processor)
 
