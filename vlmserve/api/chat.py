@@ -132,23 +132,29 @@ async def _first_output(stream: AsyncGenerator[RequestOutput, None], call: Call)
     """Wait for the first output so that anything before a token can still be a proper status code."""
     try:
         first = await stream.__anext__()
-    except (ImageError, PromptError) as exc:
-        code = "invalid_image" if isinstance(exc, ImageError) else None
-        raise failed(call, bad_request(str(exc), "messages", code)) from None
-    except PromptTooLongError as exc:
-        raise failed(call, bad_request(str(exc), "messages", "context_length_exceeded")) from None
-    except OverBudgetError as exc:
-        raise failed(call, bad_request(str(exc), "max_tokens", "kv_budget_exceeded")) from None
-    except EngineOverloadedError as exc:
-        error = APIError(429, str(exc), "rate_limit_error", None, "overloaded", retry_after(exc.retry_after_s))
-        raise failed(call, error) from None
-    except EngineNotReadyError as exc:
-        error = APIError(503, str(exc), "service_unavailable", None, "not_ready", retry_after(exc.retry_after_s))
-        raise failed(call, error) from None
+    except REFUSALS as exc:
+        raise failed(call, refusal(exc, "messages")) from None
     if first.finish_reason == "error":
         raise failed(call, engine_fault(call.builder.id, first.error, call.state.draining))
     call.observe(first)
     return first
+
+
+# What phase 1 and the engine refuse a request with, before its first token: the API's 4xx/503s
+REFUSALS = (ImageError, PromptError, PromptTooLongError, OverBudgetError, EngineOverloadedError, EngineNotReadyError)
+
+
+def refusal(exc: Exception, param: str) -> APIError:
+    """The API's answer to one of ``REFUSALS``; ``param``: where the prompt came from."""
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(429, str(exc), "rate_limit_error", None, "overloaded", retry_after(exc.retry_after_s))
+    if isinstance(exc, EngineNotReadyError):
+        return APIError(503, str(exc), "service_unavailable", None, "not_ready", retry_after(exc.retry_after_s))
+    if isinstance(exc, OverBudgetError):
+        return bad_request(str(exc), "max_tokens", "kv_budget_exceeded")
+    if isinstance(exc, PromptTooLongError):
+        return bad_request(str(exc), param, "context_length_exceeded")
+    return bad_request(str(exc), param, "invalid_image" if isinstance(exc, ImageError) else None)
 
 
 def failed(call: Call, error: APIError) -> APIError:

@@ -30,18 +30,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
-from vlmserve.api.chat import SSE_HEADERS, disconnected, engine_fault, sse_event
-from vlmserve.api.errors import APIError, bad_request, retry_after
+from vlmserve.api.chat import REFUSALS, SSE_HEADERS, disconnected, engine_fault, refusal, sse_event
+from vlmserve.api.errors import APIError, bad_request
 from vlmserve.api.messages import sampling_params
 from vlmserve.api.schemas import SamplingFields
 from vlmserve.api.state import ServedModel, ServerState
 from vlmserve.engine.params import PromptInputs, SamplingParams
-from vlmserve.frontend.async_engine import (
-    EngineNotReadyError,
-    EngineOverloadedError,
-    OverBudgetError,
-    PromptTooLongError,
-)
 from vlmserve.frontend.output import RequestOutput
 from vlmserve.frontend.token_bytes import token_text_and_bytes
 from vlmserve.preprocess.prompt import PromptBuilder
@@ -226,14 +220,8 @@ async def _checked(stream: AsyncIterator[RequestOutput], request_id: str) -> Asy
             if out.finish_reason == "error":
                 raise engine_fault(request_id, out.error)
             yield out
-    except PromptTooLongError as exc:
-        raise bad_request(str(exc), "prompt", "context_length_exceeded") from None
-    except OverBudgetError as exc:
-        raise bad_request(str(exc), "max_tokens", "kv_budget_exceeded") from None
-    except EngineOverloadedError as exc:
-        raise APIError(429, str(exc), "rate_limit_error", None, "overloaded", retry_after(exc.retry_after_s)) from None
-    except EngineNotReadyError as exc:
-        raise APIError(503, str(exc), "service_unavailable", None, "not_ready", retry_after(exc.retry_after_s)) from None
+    except REFUSALS as exc:
+        raise refusal(exc, "prompt") from None
 
 
 def _log(request_id: str, served: ServedModel, choices: list[Choice], start: float, status: str) -> None:

@@ -12,14 +12,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vlmserve.api.chat import prompt_factory
-from vlmserve.api.errors import APIError, bad_request, retry_after
+from vlmserve.api.chat import REFUSALS, prompt_factory, refusal
+from vlmserve.api.errors import bad_request
 from vlmserve.api.messages import chat_request, to_chat_input
 from vlmserve.api.schemas import Message
 from vlmserve.api.state import ServerState
-from vlmserve.frontend.async_engine import EngineNotReadyError, ImagePrompt, PromptFactory
-from vlmserve.preprocess.images import ImageError
-from vlmserve.preprocess.prompt import PromptBuilder, PromptError
+from vlmserve.frontend.async_engine import ImagePrompt, PromptFactory
+from vlmserve.preprocess.prompt import PromptBuilder
 
 MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize
 
@@ -60,11 +59,8 @@ async def tokenize(req: TokenizeRequest, state: ServerState) -> dict[str, Any]:
             ids = await engine.on_pool(lambda p: p.tokenize(text, special))
         else:
             ids = (await engine.preprocess(_chat_factory(req, served.name, state))).input_ids
-    except (PromptError, ImageError) as exc:
-        raise bad_request(str(exc), "messages" if req.messages else "prompt",
-                          "invalid_image" if isinstance(exc, ImageError) else None) from None
-    except EngineNotReadyError as exc:
-        raise APIError(503, str(exc), "service_unavailable", None, "not_ready", retry_after(exc.retry_after_s)) from None
+    except REFUSALS as exc:
+        raise refusal(exc, "messages" if req.messages else "prompt") from None
     strs = await engine.on_pool(lambda p: p.token_strings(ids)) if req.return_token_strs else None
     limit = engine.loaded.max_context if engine.loaded is not None else None
     return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}
@@ -99,5 +95,5 @@ async def detokenize(req: DetokenizeRequest, state: ServerState) -> dict[str, st
 
     try:
         return {"prompt": await engine.on_pool(decode)}
-    except EngineNotReadyError as exc:
-        raise APIError(503, str(exc), "service_unavailable", None, "not_ready", retry_after(exc.retry_after_s)) from None
+    except REFUSALS as exc:
+        raise refusal(exc, "tokens") from None

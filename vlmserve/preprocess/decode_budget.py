@@ -24,28 +24,18 @@ class DecodeBudget:
             raise ValueError("the decode budget must be at least one pixel")
         self.pixels = pixels
         self._used = 0
-        self._waiting = 0
         self._changed = threading.Condition()
 
     @property
     def used(self) -> int:
         return self._used
 
-    @property
-    def waiting(self) -> int:
-        """Decodes waiting for room (a gauge for metrics and tests)."""
-        return self._waiting
-
     @contextmanager
     def hold(self, pixels: int) -> Iterator[None]:
         """Wait until ``pixels`` (at most the whole budget) fit, hold them while the body runs."""
         need = min(max(pixels, 0), self.pixels)
         with self._changed:
-            self._waiting += 1
-            try:
-                self._changed.wait_for(lambda: self._used + need <= self.pixels)
-            finally:
-                self._waiting -= 1
+            self._changed.wait_for(lambda: self._used + need <= self.pixels)
             self._used += need
         try:
             yield

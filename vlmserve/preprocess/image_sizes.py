@@ -48,9 +48,9 @@ class ProcessorLimit:
         scales.extend(min(w / width, h / height) for w, h in self.boxes)
         scale = max(scales, default=0.0)
         need_w, need_h = width * scale, height * scale
-        for box in (self.fixed, self.tiles.keeps(width, height) if self.tiles else None):
-            if box is not None:
-                need_w, need_h = max(need_w, box[0]), max(need_h, box[1])
+        boxes = ([self.fixed] if self.fixed else []) + ([self.tiles.keeps(width, height)] if self.tiles else [])
+        for box_w, box_h in boxes:
+            need_w, need_h = max(need_w, box_w), max(need_h, box_h)
         return need_w, need_h
 
     def reduction(self, width: int, height: int) -> int:
@@ -117,7 +117,7 @@ class TileGrid:
     max_tiles: int
     large: float
 
-    def keeps(self, width: int, height: int) -> tuple[float, float] | None:
+    def keeps(self, width: int, height: int) -> tuple[float, float]:
         if width * height <= self.large:
             return float(width), float(height)  # not split, and never shrunk: as it came
         grids = [(w, h) for w in range(1, self.max_tiles + 1) for h in range(1, self.max_tiles + 1)

@@ -7,7 +7,8 @@ import json
 import logging
 import queue
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,12 +165,9 @@ class PromptBuilder:
               request_id: str = "-", add_generation_prompt: bool = True,
               template_kwargs: Mapping[str, Any] | None = None,
               image_kwargs: Mapping[str, int] | None = None) -> PromptInputs:
-        processor = self._borrow()
-        try:
+        with self._borrowed() as processor:
             return build_prompt(processor, messages, images, tools, self.template, instructions, request_id,
                                 self.control, add_generation_prompt, template_kwargs, image_kwargs)
-        finally:
-            self.spares.put(processor)
 
     def opens_reasoning_with(self, template_kwargs: Mapping[str, Any]) -> bool:
         """Whether a prompt rendered with these template variables ends inside ``<think>``: a probe
@@ -190,33 +188,30 @@ class PromptBuilder:
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A plain text's token ids, as the model's tokenizer gives them (no template)."""
-        processor = self._borrow()
-        try:
+        with self._borrowed() as processor:
             return [int(i) for i in tokenizer_of(processor)(text, add_special_tokens=add_special_tokens)["input_ids"]]
-        finally:
-            self.spares.put(processor)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
-        processor = self._borrow()
-        try:
+        with self._borrowed() as processor:
             text: str = tokenizer_of(processor).decode(list(token_ids))
             return text
-        finally:
-            self.spares.put(processor)
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """Each token as the vocabulary writes it (vLLM's ``token_strs``)."""
-        processor = self._borrow()
-        try:
+        with self._borrowed() as processor:
             return [str(t) for t in tokenizer_of(processor).convert_ids_to_tokens(list(token_ids))]
+
+    @contextmanager
+    def _borrowed(self) -> Iterator[Any]:
+        """A private copy of the processor for the body, given back after."""
+        try:
+            processor = self.spares.get_nowait()
+        except queue.Empty:  # more threads than copies: one more, kept for later
+            processor = copy.deepcopy(self.processor)
+        try:
+            yield processor
         finally:
             self.spares.put(processor)
-
-    def _borrow(self) -> Any:
-        try:
-            return self.spares.get_nowait()
-        except queue.Empty:  # more threads than copies: one more, kept for later
-            return copy.deepcopy(self.processor)
 
 
 def media_token_ids(processor: Any) -> frozenset[int]:
