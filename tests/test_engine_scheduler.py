@@ -212,6 +212,36 @@ def test_while_a_stream_decodes_steps_take_the_stream_budgets():
     assert plan.encode_ids == ["i2"] and s.stream_tokens == 16
 
 
+def test_a_burst_goes_at_the_full_budget_while_its_first_prompts_decode():
+    """Prompts ready before a stream's first token are its cohort and do not bound its steps; a prompt
+    that arrived after it does, and the cohort's work counts against it."""
+    reqs = [_req(f"r{i}", prompt_len=40) for i in range(4)]
+    s = _scheduler(*reqs, budget=100, stream_prefill_chunk=16)
+    plan, _ = _step(s)
+    assert plan.num_scheduled_tokens == {"r0": 40, "r1": 40, "r2": 20}
+    late = _req("late", prompt_len=40)  # after r0's and r1's first tokens
+    s.add(late)
+    plan, _ = _step(s)
+    assert plan.num_scheduled_tokens == {"r0": 1, "r1": 1, "r2": 20, "r3": 40}  # late: 16 - 60 spent, waits
+    plan, _ = _step(s)
+    assert plan.decode == ["r0", "r1", "r2", "r3"] and _chunks(plan) == {"late": (0, 16, 0, None)}
+
+
+def test_images_of_a_burst_encode_together_and_a_later_one_waits_for_the_stream_budget():
+    s = _scheduler(budget=512, stream_prefill_chunk=16, encoder_budget=1)
+    burst = [_req(f"b{i}", images=(f"k{i}",)) for i in range(3)]  # ready before the stream's first token
+    _decoding(s)
+    late = _req("late", images=("z",))
+    for r in (*burst, late):
+        s.add(r)
+    plan, _ = _step(s, lengths={"b0": 10, "b1": 10, "b2": 10})
+    assert plan.decode == ["stream"] and plan.encode_ids == ["b0", "b1", "b2"]
+    plan, _ = _step(s)
+    assert plan.num_prefill_tokens == 30 and plan.encode_ids == []  # the burst's prompts; late: 16 - 30 left
+    plan, _ = _step(s)
+    assert plan.encode_ids == ["late"] and plan.decode == ["stream", "b0", "b1", "b2"]
+
+
 def test_while_a_stream_decodes_one_image_goes_a_few_tower_blocks_a_step():
     """An image costs 64 tokens' time over 8 blocks; 16 tokens a step pay for 2 blocks, and nothing
     else is encoded or prefilled in those steps."""

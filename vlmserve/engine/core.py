@@ -64,9 +64,12 @@ def scheduler_config(adapter: ModelAdapter, config: EngineConfig) -> SchedulerCo
                            adapter.num_vision_blocks, adapter.reuses_prefix)
 
 
-def new_request(loaded: LoadedModel, request_id: str, prompt: PromptInputs, params: SamplingParams) -> Request:
+def new_request(loaded: LoadedModel, request_id: str, prompt: PromptInputs, params: SamplingParams,
+                arrival_time: float | None = None) -> Request:
     """A request as the scheduler sees it, with what the family allows its prompt."""
     req = Request(request_id, prompt, params, eos_token_ids=loaded.eos_token_ids, max_context=loaded.max_context)
+    if arrival_time is not None:
+        req.arrival_time = arrival_time
     req.chunkable, req.batchable = loaded.adapter.can_chunk(prompt), loaded.adapter.can_batch(prompt)
     req.batchable = req.batchable and params.prompt_logprobs is None  # its logits are taken alone
     return req
@@ -177,7 +180,7 @@ class EngineCore:
             del self._early_aborts[message.request_id]
             self._pending[message.request_id] = _Pending(message.request_id, None, finish=RequestStatus.FINISHED_ABORTED)
             return
-        req = new_request(self.loaded, message.request_id, message.prompt, message.params)
+        req = new_request(self.loaded, message.request_id, message.prompt, message.params, message.arrival_time)
         self._requests[req.request_id] = req
         self.scheduler.add(req)
 

@@ -85,6 +85,7 @@ class AddRequest:
     request_id: str
     prompt: PromptInputs
     params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)  # posted: its prompt was ready for the engine
 
 
 @dataclass(slots=True, frozen=True)
@@ -117,7 +118,8 @@ class Request:
     # Positions the prompt fills: its token count, unless the model's embedding says otherwise
     # (mlx-vlm's LLaVA-NeXT merges more image features than the processor wrote image tokens).
     num_prompt_tokens: int = -1
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.monotonic)  # when its prompt was ready (AddRequest's)
+    first_token_time: float | None = None  # when the step that sampled its first token ended
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

@@ -9,6 +9,10 @@ Every step is planned and bounded, so a running stream never freezes when new pr
   cannot be split by tokens (an image span attending both ways) is split by layers instead: a few
   of the language model's layers per step, as many as its share of the budget pays for, its hidden
   state carried to the next step. One such prompt at a time.
+A stream is kept from freezing by the prompts that arrive after its first token. Prompts that were
+ready before it (a burst that arrived together, the first of which already decodes) are its cohort:
+they go at the full ``prefill_chunk``, as they would have had none of them started, so a burst
+is served as one batch and its slots decode together instead of one prompt at a time.
 Per-step admission: every step admits waiting requests into free batch slots while the KV budget
 holds them, so a new request starts within one step.
 """
@@ -16,6 +20,7 @@ holds them, so a new request starts within one step.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -65,9 +70,30 @@ class RequestUpdate:
 
 @dataclass(slots=True)
 class _Budgets:
+    """What is left of one step's prompt work, in prompt tokens' time. Prompts that came with every
+    decoding stream (ready before its first token) share the full budget; from the first prompt that
+    arrived after some stream's first token on, the step is bounded: what is left is capped at the
+    stream budget less what the step spent already, and images go ``images`` at most."""
+
     tokens: int
+    bound: int  # the step's prompt work while a stream decodes that it must not freeze
+    since: float  # the earliest first token of a decoding stream: prompts that arrived after it are bounded
+    images: int
     layer_split_busy: bool = False  # a prompt is part-way through its layers
+    spent: int = 0
+    bounded: bool = False
     prefill: list[PrefillChunk] = field(default_factory=list)
+
+    def bounds(self, req: Request) -> bool:
+        """Before planning ``req``'s work: whether the step is bounded from here on."""
+        if not self.bounded and req.arrival_time > self.since:
+            self.bounded = True
+            self.tokens = min(self.tokens, self.bound - self.spent)
+        return self.bounded
+
+    def spend(self, tokens: int) -> None:
+        self.tokens -= tokens
+        self.spent += tokens
 
 
 def kv_need(req: Request) -> int:
@@ -113,18 +139,21 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Admit, then plan the step: text prompts embed and prefill at once; prompts already embedded
-        prefill in admission order; image prompts encode with what is left. While requests decode,
-        all of it fits one budget, so the step stays short; otherwise it is as big as ``prefill_chunk``."""
+        prefill in admission order; image prompts encode with what is left. A stream is kept from
+        freezing only by the prompts that arrived after its first token: its work fits the stream
+        budget, so the step stays short. Prompts that arrived with it (before any decoding stream's
+        first token: a burst, or an idle engine) go as fast as ``prefill_chunk`` allows, as they would
+        have had none of them started yet."""
         out = SchedulerOutput(finished=self.take_finished())
         out.new = [self._enter(r) for r in self._admit()]
-        out.decode = [r.request_id for r in self.running if r.encoded and r.prefill_done]
-        busy = bool(out.decode)
+        decoding = [r for r in self.running if r.encoded and r.prefill_done]
+        out.decode = [r.request_id for r in decoding]
+        since = min((r.first_token_time or math.inf for r in decoding), default=math.inf)
         text = [EncodeChunk(r.request_id) for r in self.running if not r.encoded and not r.num_images]
-        tokens = min(self.stream_tokens, self.config.prefill_chunk) if busy else self.config.prefill_chunk
-        budgets = _Budgets(tokens, any(r.num_computed_layers for r in self.running))
+        budgets = _Budgets(self.config.prefill_chunk, min(self.stream_tokens, self.config.prefill_chunk), since,
+                           self.config.encoder_budget, any(r.num_computed_layers for r in self.running))
         self._plan_prefill(budgets, {c.request_id for c in text})
-        images, out.encode_pixels = self._plan_encode(self.config.encoder_budget, budgets.tokens,
-                                                      bool(budgets.prefill)) if busy else self._plan_encode(None, None, False)
+        images, out.encode_pixels = self._plan_encode(budgets)
         out.encode, out.prefill = text + images, budgets.prefill
         out.prefill_groups = self._groups(out.prefill)
         return out
@@ -168,30 +197,32 @@ class Scheduler:
         scored = req.params.prompt_logprobs is not None  # every position's logits are computed: none reused
         return enabled and self.config.reuses_prefix and not req.prompt.has_images and not scored
 
-    def _plan_encode(self, budget: int | None, tokens: int | None, others: bool) -> tuple[list[EncodeChunk], float]:
-        """Image prompts to embed this step, in admission order: while ``budget`` images and ``tokens``
-        (their time, in prompt tokens) last, or all of them when both are None. The step's first work
-        always goes, whatever it costs; one image may go a few tower blocks a step where the family
-        allows it. Cached images cost nothing. Returns the chunks and the pixel values they put through
-        the tower (a piece: its share of the blocks), for the engine's cost average."""
+    def _plan_encode(self, budgets: _Budgets) -> tuple[list[EncodeChunk], float]:
+        """Image prompts to embed this step, in admission order: all of those the step is not bounded
+        for, then, bounded, while its images and tokens (their time, in prompt tokens) last. The step's
+        first work always goes, whatever it costs; one image may go a few tower blocks a step where the
+        family allows it. Cached images cost nothing. Returns the chunks and the pixel values they put
+        through the tower (a piece: its share of the blocks), for the engine's cost average."""
         planned: list[EncodeChunk] = []
         through = 0.0
         for req in self.running:
             if req.encoded or not req.num_images:
                 continue
             images, pixels = self._encode_need(req)
-            if budget is None or tokens is None:
-                planned.append(EncodeChunk(req.request_id))
-                through += pixels
-                continue
-            first = not (planned or others)
-            chunk = self._encode_chunk(req, images, pixels, tokens if not first else max(tokens, 1))
-            spent = self._chunk_cost(chunk, pixels)
-            if images and not first and (images > budget or spent > tokens):
-                break  # nobody overtakes it
+            first = not (planned or budgets.prefill)
+            if not budgets.bounds(req):
+                chunk = EncodeChunk(req.request_id)
+            else:
+                tokens = budgets.tokens if not first else max(budgets.tokens, 1)
+                chunk = self._encode_chunk(req, images, pixels, tokens)
+                if images and not first and (images > budgets.images or self._chunk_cost(chunk, pixels) > tokens):
+                    break  # nobody overtakes it
             planned.append(chunk)
             through += pixels * self._block_share(chunk)
-            budget, tokens = (budget - images, tokens - spent) if chunk.whole else (0, 0)
+            budgets.spend(self._chunk_cost(chunk, pixels))
+            budgets.images -= images
+            if not chunk.whole:
+                budgets.images = budgets.tokens = 0  # a piece takes the rest of the step
         return planned, through
 
     def _encode_chunk(self, req: Request, images: int, pixels: int, tokens: int) -> EncodeChunk:
@@ -225,14 +256,15 @@ class Scheduler:
         """What of ``req``'s prompt runs this step within what is left of the token budget."""
         start, end = req.num_computed_tokens, req.num_prompt_tokens
         first = not budgets.prefill
+        budgets.bounds(req)
         if req.chunkable:
             n = min(end - start, max(budgets.tokens, 0))
             if req.params.prompt_logprobs is not None:  # logits for every position: [n, vocab] floats
                 n = min(n, SCORED_CHUNK)
-            budgets.tokens -= n
+            budgets.spend(n)
             return self._tokens_chunk(req, start, start + n) if n > 0 else None
         if not req.num_computed_layers and (end - start <= budgets.tokens or (start and first)):
-            budgets.tokens -= end - start  # whole; after a reused prefix, layer pieces cannot start
+            budgets.spend(end - start)  # whole; after a reused prefix, layer pieces cannot start
             return self._tokens_chunk(req, start, end)
         if start:
             return None
@@ -242,7 +274,7 @@ class Scheduler:
         if layers is None:
             return None
         budgets.layer_split_busy = True
-        budgets.tokens -= -(-(end - start) * (layers[1] - layers[0]) // self.config.num_layers)
+        budgets.spend(-(-(end - start) * (layers[1] - layers[0]) // self.config.num_layers))
         last = None if layers[1] >= self.config.num_layers else layers[1]
         return PrefillChunk(req.request_id, start, end, layers[0], last,
                             store_prefix=last is None and self._prefix_cacheable(req))
@@ -289,6 +321,7 @@ class Scheduler:
                 req.num_computed_layers = 0 if chunk.final else chunk.last_layer or 0
                 req.num_computed_tokens = chunk.end if chunk.final else req.num_computed_tokens
         touched = [*plan.encode_ids, *plan.decode, *(c.request_id for c in plan.prefill)]
+        now = time.monotonic()
         for request_id in dict.fromkeys(touched):
             req = self._by_id.get(request_id)
             if req is None:
@@ -297,6 +330,7 @@ class Scheduler:
                 self.finish(req, RequestStatus.FINISHED_ERROR)
                 updates.append(RequestUpdate(req, finish=req.status, error=output.errors[request_id]))
             elif (sample := output.samples.get(request_id)) is not None:
+                req.first_token_time = req.first_token_time or now
                 updates.append(self._take(req, sample.token_id))
         return updates
 
