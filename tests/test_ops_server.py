@@ -12,6 +12,7 @@ import re
 import socket
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -126,6 +127,21 @@ def test_the_api_key_comes_from_the_environment(ops_server, gemma4_micro):
     assert _post(ops_server, body, key=None).status_code == 401
     assert _post(ops_server, body, key=KEY + "x").status_code == 401
     assert _post(ops_server, body).status_code == 200
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key(ops_server, gemma4_micro):
+    """The anthropic SDK sends ``x-api-key``; a wrong one is its own AuthenticationError, in Anthropic's shape."""
+    message = dict(model=gemma4_micro.name, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    keyed = anthropic.Anthropic(base_url=ops_server.url, api_key=KEY, max_retries=0, timeout=60)
+    assert keyed.messages.create(**message).usage.output_tokens == 2
+    wrong = anthropic.Anthropic(base_url=ops_server.url, api_key=KEY + "x", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        wrong.messages.create(**message)
+    assert refused.value.body["error"]["type"] == "authentication_error"
+    assert "x-api-key" in refused.value.body["error"]["message"]
+    preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "x-api-key,anthropic-version,content-type"}
+    assert httpx.options(ops_server.url + "/v1/messages", headers=preflight).status_code == 200
 
 
 def test_cors_answers_the_named_origin_only(ops_server):

@@ -17,6 +17,8 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from vlmserve import __version__
+from vlmserve.api.anthropic import count_tokens, create_message
+from vlmserve.api.anthropic_input import CountTokensRequest, MessagesRequest
 from vlmserve.api.chat import create_chat_completion
 from vlmserve.api.completions import CompletionRequest, create_completion
 from vlmserve.api.errors import APIError, install_error_handlers, log_rejection
@@ -55,7 +57,8 @@ def create_app(state: ServerState, on_fatal: Callable[[str], None] | None = None
         app.add_middleware(RequireKey, api_key=state.config.api_key, on_reject=state.metrics.rejected)
     if state.config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(state.config.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id", "X-Api-Key",
+                                          "Anthropic-Version", "Anthropic-Beta"],
                            expose_headers=["X-Request-Id"])
     app.add_middleware(RequestId)  # outermost: every response carries one, refusals included
     _routes(app, state)
@@ -140,6 +143,14 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def responses(body: ResponsesRequest, request: Request) -> Any:
         return await create_response(body, request, state)
 
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Any:
+        return await create_message(body, request, state)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        return await count_tokens(body, state)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await create_completion(body, request, state)
@@ -189,7 +200,8 @@ class RequestId:
 class RequireKey:
     """The API key, checked from the headers of every ``/v1/`` request before any byte of its body is
     read: a refused request costs no body memory (a 50 MB body without a key used to be read and
-    parsed first). 401 with ``WWW-Authenticate: Bearer``. CORS preflights pass."""
+    parsed first). ``Authorization: Bearer``, or ``x-api-key`` as Anthropic's clients send it. 401 with
+    ``WWW-Authenticate: Bearer``. CORS preflights pass."""
 
     def __init__(self, app: Any, api_key: str, on_reject: Callable[[int, str | None], None] | None = None) -> None:
         self.app, self.key, self.on_reject = app, api_key.encode(), on_reject
@@ -198,12 +210,14 @@ class RequireKey:
         if scope["type"] != "http" or not _keyed(scope["path"]) or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        token = header[7:] if header[:7].lower() == b"bearer " else b""
+        headers = dict(scope.get("headers") or [])
+        header = headers.get(b"authorization", b"")
+        token = header[7:] if header[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
         if secrets.compare_digest(token, self.key):
             await self.app(scope, receive, send)
             return
-        error = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)", "invalid_request_error",
+        error = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>, or x-api-key: <key>)",
+                         "invalid_request_error",
                          None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
         await _reject(error, scope, receive, send, self.on_reject)
 
@@ -219,7 +233,7 @@ async def _reject(error: APIError, scope: dict[str, Any], receive: Any, send: An
     if on_reject is not None:
         on_reject(error.status, error.code)
     log_rejection(scope.get("method", "-"), scope.get("path", "-"), error)
-    await error.response()(scope, receive, send)
+    await error.response(scope.get("path", ""))(scope, receive, send)
 
 
 class BodyLimit:

@@ -1,4 +1,5 @@
-"""[loop] OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+"""[loop] Errors with the right status, in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``)
+or, on the Anthropic Messages API's paths, in Anthropic's (``{"type": "error", "error": {"type", "message"}}``)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,25 @@ class APIError(Exception):
         self.headers = headers  # e.g. Retry-After (429, 503 while a model loads), WWW-Authenticate (401)
         self.logged = False
 
-    def body(self) -> dict[str, Any]:
+    def body(self, anthropic: bool = False) -> dict[str, Any]:
+        if anthropic:
+            kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as the API at ``path`` shapes it."""
+        return JSONResponse(self.body(anthropic_path(path)), status_code=self.status, headers=self.headers)
+
+
+# Anthropic's error types by status (its SDKs pick their exception by status; the type says the same)
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether ``path`` is the Anthropic Messages API's (its errors take Anthropic's shape)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def retry_after(seconds: int | None) -> dict[str, str] | None:
@@ -57,14 +72,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 def install_error_handlers(app: FastAPI, metrics: Any = None) -> None:
-    """Every error becomes OpenAI's shape; each is counted (``metrics.rejected``) and logged once."""
+    """Every error becomes the API's shape (OpenAI's, or Anthropic's on its paths); each is counted (``metrics.rejected``) and logged once."""
 
     def answer(request: Request, error: APIError) -> JSONResponse:
         if metrics is not None:
             metrics.rejected(error.status, error.code)
         if not error.logged:
             log_rejection(request.method, request.url.path, error)
-        return error.response()
+        return error.response(request.url.path)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -15,9 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from vlmserve.api.chat import REFUSALS, prompt_factory, refusal
 from vlmserve.api.errors import bad_request
 from vlmserve.api.messages import chat_request, to_chat_input
-from vlmserve.api.schemas import Message
+from vlmserve.api.schemas import ChatCompletionRequest, Message
 from vlmserve.api.state import ServerState
-from vlmserve.frontend.async_engine import ImagePrompt, PromptFactory
 from vlmserve.preprocess.prompt import PromptBuilder
 
 MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize
@@ -58,26 +57,34 @@ async def tokenize(req: TokenizeRequest, state: ServerState) -> dict[str, Any]:
             text, special = req.prompt, req.add_special_tokens is not False
             ids = await engine.on_pool(lambda p: p.tokenize(text, special))
         else:
-            ids = (await engine.preprocess(_chat_factory(req, served.name, state))).input_ids
+            ids = await chat_prompt_ids(_chat_body(req, served.name), state, req.add_generation_prompt)
     except REFUSALS as exc:
-        raise refusal(exc, "messages" if req.messages else "prompt") from None
+        raise refusal(exc, "prompt") from None
     strs = await engine.on_pool(lambda p: p.token_strings(ids)) if req.return_token_strs else None
     limit = engine.loaded.max_context if engine.loaded is not None else None
     return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}
 
 
-def _chat_factory(req: TokenizeRequest, model: str, state: ServerState) -> PromptFactory | ImagePrompt:
-    """Phase 1 of a chat request with these messages."""
+def _chat_body(req: TokenizeRequest, model: str) -> ChatCompletionRequest:
     if req.add_special_tokens:
         raise bad_request("add_special_tokens: chat messages are tokenized as the chat template writes them",
                           "add_special_tokens", "unsupported_value")
-    body = chat_request({"model": model, "messages": req.messages, "tools": req.tools,
+    return chat_request({"model": model, "messages": req.messages, "tools": req.tools,
                          "chat_template_kwargs": req.chat_template_kwargs,
                          "mm_processor_kwargs": req.mm_processor_kwargs})
-    served = state.model(model)
-    chat = to_chat_input(body, state.media.max_images, state.config.default_chat_template_kwargs,
-                         served.engine.max_pixels)
-    return prompt_factory(chat, state.media, f"tokenize-{uuid.uuid4().hex}", req.add_generation_prompt)
+
+
+async def chat_prompt_ids(body: ChatCompletionRequest, state: ServerState, add_generation_prompt: bool = True) -> list[int]:
+    """The prompt a chat request would cost: its phase 1 on the pool (template, images and all); what
+    phase 1 refuses is the API's 4xx."""
+    engine = state.model(body.model).engine
+    chat = to_chat_input(body, state.media.max_images, state.config.default_chat_template_kwargs, engine.max_pixels)
+    try:
+        prompt = await engine.preprocess(prompt_factory(chat, state.media, f"tokenize-{uuid.uuid4().hex}",
+                                                        add_generation_prompt))
+    except REFUSALS as exc:
+        raise refusal(exc, "messages") from None
+    return prompt.input_ids
 
 
 async def detokenize(req: DetokenizeRequest, state: ServerState) -> dict[str, str]:

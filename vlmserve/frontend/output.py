@@ -26,6 +26,7 @@ class RequestOutput:
     error: str | None = None
     engine_step: int = 0
     prompt_logprobs: tuple[Any, ...] | None = None  # TokenLogprob or None per prompt position, when asked
+    stop_string: str | None = None  # the stop string that ended it (vLLM's stop_reason), with the last output
 
     @property
     def finished(self) -> bool:
@@ -44,6 +45,7 @@ class OutputProcessor:
         self._held = ""
         self.num_completion_tokens = 0
         self.stopped = False  # a stop string matched: the engine must abort the request
+        self.stop_string: str | None = None  # which one
 
     def process(self, out: StepOutput) -> RequestOutput:
         self.num_completion_tokens += len(out.token_ids)
@@ -54,17 +56,18 @@ class OutputProcessor:
         return RequestOutput(
             out.request_id, text, out.token_ids, out.logprobs, finish or out.finish_reason,
             out.num_prompt_tokens, self.num_completion_tokens, out.num_cached_tokens, out.error, out.step,
-            out.prompt_logprobs,
+            out.prompt_logprobs, self.stop_string if finish else None,
         )
 
     def _apply_stop(self, text: str, final: bool) -> tuple[str, str | None]:
         if not self._stop:
             return text, None
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self._stop) if i >= 0]
+        hits = [(at, s) for s in self._stop if (at := buf.find(s)) >= 0]
         if hits:
+            at, self.stop_string = min(hits)
             self._held, self.stopped = "", True
-            return buf[: min(hits)], "stop"
+            return buf[:at], "stop"
         keep = 0 if final else partial_marker_len(buf, self._stop)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], None

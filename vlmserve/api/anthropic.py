@@ -1,0 +1,163 @@
+"""[loop] POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API over the chat path.
+
+The request runs as a chat request (``anthropic_input``); its outputs go through the same
+``ChoiceBuilder`` (tool calls, reasoning) and come back as content blocks: ``thinking``, ``text``
+and ``tool_use``. Streams send ``message_start``, then per block ``content_block_start`` ...
+``content_block_delta`` (``thinking_delta``, ``text_delta``, ``input_json_delta``) ...
+``content_block_stop``, then ``message_delta`` with the stop reason and usage, and ``message_stop``;
+an engine fault mid-stream is an ``error`` event. Errors on these paths have Anthropic's shape
+(``errors.APIError.body``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from vlmserve.api.anthropic_input import CountTokensRequest, MessagesRequest, to_chat_request
+from vlmserve.api.chat import (
+    GONE,
+    SSE_HEADERS,
+    Call,
+    engine_fault,
+    open_call,
+    run_to_end,
+    sse_event,
+    until_done_or_disconnect,
+)
+from vlmserve.api.openai_format import Delta
+from vlmserve.api.state import ServerState
+from vlmserve.api.tokenize import chat_prompt_ids
+from vlmserve.frontend.output import RequestOutput
+
+
+async def create_message(req: MessagesRequest, http: Request, state: ServerState) -> Any:
+    message_id = f"msg_{uuid.uuid4().hex}"
+    opened = await open_call(to_chat_request(req), http, state, message_id)
+    if opened is None:
+        return JSONResponse({}, status_code=499)
+    call, first, stream = opened
+    if req.stream:
+        return StreamingResponse(_events(call, first, stream), media_type="text/event-stream", headers=SSE_HEADERS)
+    last = await until_done_or_disconnect(http, run_to_end(call, first, stream), stream)
+    if last is GONE:
+        return JSONResponse({}, status_code=499)
+    return JSONResponse(message(call, blocks(call), *stop_reason(call.finish, last), usage(last)))
+
+
+async def count_tokens(req: CountTokensRequest, state: ServerState) -> dict[str, int]:
+    """What a Messages request with these messages, system prompt and tools costs in prompt tokens."""
+    return {"input_tokens": len(await chat_prompt_ids(to_chat_request(req), state))}
+
+
+def message(call: Call, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
+            counts: dict[str, int]) -> dict[str, Any]:
+    return {"id": call.builder.id, "type": "message", "role": "assistant", "model": call.served.name,
+            "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": counts}
+
+
+def blocks(call: Call) -> list[dict[str, Any]]:
+    """The reply's content blocks: its reasoning, its text, its tool calls."""
+    b = call.builder
+    out: list[dict[str, Any]] = [{"type": "thinking", "thinking": b.reasoning, "signature": ""}] if b.reasoning else []
+    if b.content or not b.calls:
+        out.append({"type": "text", "text": b.content})
+    out += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments_json)} for c in b.calls]
+    return out
+
+
+def stop_reason(finish: str, last: RequestOutput) -> tuple[str, str | None]:
+    """Anthropic's stop reason (and the stop sequence that matched) for the chat path's finish."""
+    if finish == "length":
+        return "max_tokens", None
+    if finish == "tool_calls":
+        return "tool_use", None
+    if last.stop_string is not None:
+        return "stop_sequence", last.stop_string
+    return "end_turn", None
+
+
+def usage(out: RequestOutput) -> dict[str, int]:
+    """Anthropic counts cached prompt tokens apart from the rest of the input."""
+    return {"input_tokens": out.num_prompt_tokens - out.num_cached_tokens, "output_tokens": out.num_completion_tokens,
+            "cache_read_input_tokens": out.num_cached_tokens, "cache_creation_input_tokens": 0}
+
+
+class _Blocks:
+    """The stream's content blocks, one open at a time, numbered from 0."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None
+
+    def feed(self, delta: Delta) -> list[str]:
+        events = self._text("thinking", delta.reasoning) if delta.reasoning else []
+        if delta.content:
+            events += self._text("text", delta.content)
+        for entry in delta.tool_calls:
+            function = entry.get("function", {})
+            if entry.get("id"):  # a new call: its name now, its input in later entries
+                events += self._start({"type": "tool_use", "id": entry["id"], "name": function.get("name", ""),
+                                       "input": {}})
+            if function.get("arguments"):
+                events.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
+        return events
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [sse_event({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
+
+    def _text(self, kind: str, text: str) -> list[str]:
+        """``kind`` is thinking or text: the block's type, the field its text is in, and its delta's prefix."""
+        block = {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
+        events = [] if self.open == kind else self._start(block)
+        events.append(self._delta({"type": f"{kind}_delta", kind: text}))
+        return events
+
+    def _start(self, block: dict[str, Any]) -> list[str]:
+        events = self.close()
+        self.index += 1
+        self.open = block["type"]
+        events.append(sse_event({"type": "content_block_start", "index": self.index, "content_block": block},
+                                "content_block_start"))
+        return events
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return sse_event({"type": "content_block_delta", "index": self.index, "delta": delta}, "content_block_delta")
+
+
+async def _events(call: Call, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[str]:
+    b, status, open_blocks = call.builder, "disconnected", _Blocks()
+    try:
+        start = {**usage(first), "output_tokens": 0}
+        yield sse_event({"type": "message_start", "message": message(call, [], None, None, start)}, "message_start")
+        yield sse_event({"type": "ping"}, "ping")
+        out = first
+        while True:
+            if out.finish_reason == "error":
+                status = "error"
+                yield sse_event(engine_fault(b.id, out.error, call.state.draining).body(anthropic=True), "error")
+                return
+            for event in open_blocks.feed(b.step(out)):
+                yield event
+            if out.finished:
+                break
+            out = await stream.__anext__()
+            call.observe(out)
+        for event in open_blocks.close():
+            yield event
+        status = call.finish = b.finish_reason(out.finish_reason)
+        reason, sequence = stop_reason(call.finish, out)
+        yield sse_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                         "usage": usage(out)}, "message_delta")
+        yield sse_event({"type": "message_stop"}, "message_stop")
+    finally:
+        call.done(status)
+        await stream.aclose()
