@@ -206,7 +206,7 @@ def heading(summary: dict[str, Any]) -> str:
                                                    if again > 1 else " (one server process)")
     return (f"{m['date']}, {m['cpus']} CPUs, mlx {m['mlx']} ({m['device']}), small models built with "
             f"`ignore_eos=True`, {runs}, 1-min load average {min(loads)}-{max(loads)} at the cells' starts and "
-            f"ends (other jobs shared the machine), {summary['wall_s'] / 60:.1f} minutes in all.\n")
+            f"ends (the servers under test included), {summary['wall_s'] / 60:.1f} minutes in all.\n")
 
 
 def load_averages(summary: dict[str, Any]) -> list[float]:
