@@ -6,6 +6,7 @@ Screenshots go to ``$VLMSERVE_ARTIFACTS`` (default ``test-artifacts/``).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -95,6 +96,14 @@ def test_the_demo_tool_call_is_shown(browser, demo_server):
     _ask(browser, "What's the weather in Tokyo in celsius?")
     call = _wait(lambda: browser.find_elements(By.CSS_SELECTOR, "#chat .tool-call"), what="the tool call")[0].text
     assert call.startswith("tool call: get_weather(") and '"Tokyo"' in call
+    result = _wait(lambda: browser.find_elements(By.CSS_SELECTOR, "#chat .tool-result"), what="the tool result")[0].text
+    weather = json.loads(result.removeprefix("tool result (made up by the playground): "))
+    assert weather["location"] == "Tokyo" and weather["unit"] == "celsius"
+    # the model's answer to the result, in the next bubble, once the request has ended
+    _wait(lambda: browser.find_element(By.ID, "send").is_enabled() and len(browser.find_elements(
+        By.CSS_SELECTOR, "#chat .assistant")) == 2, what="the answer after the result")
+    answer = browser.find_elements(By.CSS_SELECTOR, "#chat .assistant .text")[-1].text
+    assert answer == f"It is {weather['temperature']} degrees in Tokyo.", answer
 
 
 def test_stop_aborts_the_request_and_frees_the_slot(browser, tmp_path):

@@ -158,6 +158,46 @@ async function send(text) {
   history.push({ role: "user", content });
   attached = [];
   drawThumbs();
+  running = new AbortController();
+  $("send").disabled = true;
+  $("stop").disabled = false;
+  try {
+    // A weather call is answered here (the playground's made-up weather) and the model goes on: at
+    // most a few rounds, so a model that only ever calls tools cannot loop for ever.
+    for (let round = 0; round < 3; round++) {
+      const calls = await reply(round === 0);
+      const weather = calls.filter((call) => call.function.name === WEATHER_TOOL.function.name);
+      if (!weather.length || weather.length < calls.length) break;
+      for (const call of weather) {
+        const result = JSON.stringify(madeUpWeather(call.function.arguments));
+        history.push({ role: "tool", tool_call_id: call.id, content: result });
+        const block = document.createElement("div");
+        block.className = "tool-result";
+        block.textContent = `tool result (made up by the playground): ${result}`;
+        $("chat").lastElementChild.append(block);
+      }
+    }
+  } finally {
+    running = null;
+    $("send").disabled = false;
+    $("stop").disabled = true;
+  }
+}
+
+// The weather the playground's get_weather returns: made up, the same for the same city.
+function madeUpWeather(argumentsJson) {
+  let args = {};
+  try { args = JSON.parse(argumentsJson); } catch { /* the model's arguments as they came */ }
+  const city = String(args.location || "nowhere");
+  let hash = 0;
+  for (const ch of city) hash = (hash * 31 + ch.codePointAt(0)) % 1000;
+  const unit = args.unit === "fahrenheit" ? "fahrenheit" : "celsius";
+  const celsius = hash % 35;
+  return { location: city, temperature: unit === "celsius" ? celsius : Math.round(celsius * 9 / 5 + 32), unit };
+}
+
+// One assistant reply, streamed into a new bubble; returns its tool calls (none: an answer).
+async function reply(userTurnIsLast) {
   const item = bubble("assistant");
   const out = item.querySelector(".text");
   const body = {
@@ -165,9 +205,6 @@ async function send(text) {
     temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value),
   };
   if ($("weather").checked) body.tools = [WEATHER_TOOL];
-  running = new AbortController();
-  $("send").disabled = true;
-  $("stop").disabled = false;
   const started = performance.now();
   let firstToken = null;
   let answer = "";
@@ -198,9 +235,11 @@ async function send(text) {
         if (entry.function?.arguments) calls[entry.index].function.arguments += entry.function.arguments;
       }
     }
-    showCalls(item, calls);
-    history.push(calls.length ? { role: "assistant", content: answer || null, tool_calls: calls.filter(Boolean) }
-                              : { role: "assistant", content: answer });
+    const made = calls.filter(Boolean);
+    showCalls(item, made);
+    history.push(made.length ? { role: "assistant", content: answer || null, tool_calls: made }
+                             : { role: "assistant", content: answer });
+    return made;
   } catch (error) {
     if (error.name === "AbortError") {
       out.textContent = answer + " [stopped]";
@@ -208,12 +247,9 @@ async function send(text) {
     } else {
       item.classList.add("error");
       out.textContent = `Error: ${error.message}`;
-      history.pop();  // the user turn failed; it is not part of the conversation
+      if (userTurnIsLast) history.pop();  // the user turn failed; it is not part of the conversation
     }
-  } finally {
-    running = null;
-    $("send").disabled = false;
-    $("stop").disabled = true;
+    return [];
   }
 }
 
