@@ -195,6 +195,12 @@ BOUNDED_TOOL = {"type": "function", "function": {"name": "book_trip", "parameter
     "type": "object", "required": ["city", "day", "code"], "properties": {
         "city": {"type": "string", "maxLength": 20}, "day": {"type": "string", "format": "date"},
         "code": {"type": "string", "pattern": "^[A-Z]{3}$"}}}}}
+NUMBERED_TOOL = {"type": "function", "function": {"name": "book_room", "parameters": {
+    "type": "object", "required": ["guests", "nights", "budget", "rating", "floor"], "properties": {
+        "guests": {"type": "integer", "minimum": 1, "maximum": 4000}, "nights": {"type": "integer", "minimum": 1},
+        "budget": {"type": "number", "minimum": 10.5, "maximum": 99.5},
+        "rating": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 5},
+        "floor": {"type": "integer", "minimum": -3, "maximum": 40, "multipleOf": 2}}}}}
 
 
 @pytest.mark.parametrize("seed", [0, 5])
@@ -210,3 +216,19 @@ def test_a_forced_gemma4_call_keeps_the_schemas_string_bounds(demo_client, seed)
     assert len(args["city"]) <= 20
     assert re.fullmatch(r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])", args["day"])
     assert re.fullmatch(r"[A-Z]{3}", args["code"])
+
+
+@pytest.mark.parametrize("seed", [0, 5, 11])
+def test_a_forced_gemma4_call_keeps_the_schemas_numeric_bounds(demo_client, seed):
+    """Issue 32: integer ranges of 256 or more, one-sided bounds, exclusive bounds, multipleOf and bounded
+    numbers (floats) were written free in a forced Gemma 4 call; now they hold as in response_format."""
+    r = demo_client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, messages=_ask("Book me a room."), tools=[NUMBERED_TOOL], temperature=1.0,
+        seed=seed, tool_choice={"type": "function", "function": {"name": "book_room"}}, max_tokens=200)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert isinstance(args["guests"], int) and 1 <= args["guests"] <= 4000, args
+    assert isinstance(args["nights"], int) and args["nights"] >= 1, args
+    assert 10.5 <= args["budget"] <= 99.5 and 0 < args["rating"] < 5, args
+    assert isinstance(args["floor"], int) and -3 <= args["floor"] <= 40 and args["floor"] % 2 == 0, args

@@ -23,6 +23,8 @@ from vlmserve.tools.registry import ALIASES
 
 _NUMBER = r"/-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,17})?([eE][+-]?[0-9]{1,3})?/"  # bounded: no endless digits
 _INTEGER = r"/-?(0|[1-9][0-9]{0,17})/"
+_LARGEST = 10**18 - 1  # the unbounded integer's 18 digits
+_NUMERIC_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 _ANY, _NOT_SQ, _NOT_DQ = r"[^\n]", r"[^'\n]", r"[^\"\n]"  # a string's characters, in each quoting
 _FORMATS = {  # JSON schema's string formats, as regular expressions
     "date": r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",
@@ -144,16 +146,31 @@ class _GemmaArgs:
         if kind == "array" and depth < 8:
             item = self.value(schema.get("items") or {"type": "string"}, depth + 1)
             return f'"[" ({item} ("," {item})*)? "]"'
-        if kind == "integer":
-            low, high = schema.get("minimum"), schema.get("maximum")
-            if isinstance(low, int) and isinstance(high, int) and 0 <= high - low < 256:
-                return "(" + _choice([json.dumps(str(n)) for n in range(low, high + 1)]) + ")"
-            return _INTEGER
-        if kind == "number":
-            return _NUMBER
+        if kind in ("integer", "number"):
+            return self._number(schema, kind)
         if kind == "boolean":
             return '("true" | "false")'
         return self._string(schema)
+
+    def _number(self, schema: dict[str, Any], kind: str) -> str:
+        """A bare number, as Gemma writes it and JSON does. Bounds (``minimum``, ``maximum``, their
+        exclusive forms, ``multipleOf``) go through llguidance's JSON number grammar, as in
+        ``response_format``, in a rule of their own. Its digits are capped as the unbounded number's
+        are, so that a model cannot write digits for ever: an open side gets the 18-digit bound, and a
+        number without ``multipleOf`` at most 6 decimals (``multipleOf: 1e-6``)."""
+        bounds = {k: schema[k] for k in _NUMERIC_BOUNDS if isinstance(schema.get(k), (int, float))
+                  and not isinstance(schema.get(k), bool)}
+        if not bounds:
+            return _INTEGER if kind == "integer" else _NUMBER
+        if not {"minimum", "exclusiveMinimum"} & set(bounds):
+            bounds["minimum"] = -_LARGEST
+        if not {"maximum", "exclusiveMaximum"} & set(bounds):
+            bounds["maximum"] = _LARGEST
+        if kind == "number":
+            bounds.setdefault("multipleOf", 1e-6)
+        name = f"gnum{len(self.rules)}"
+        self.rules.append(f"{name}: %json {json.dumps({'type': kind, **bounds})}")
+        return name
 
     def _string(self, schema: dict[str, Any]) -> str:
         """``gstr``, or a rule of its own for a string the schema bounds (``minLength``/``maxLength``,
