@@ -44,10 +44,16 @@ def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str,
     images in the image lane)."""
 
     def make(prompter: PromptBuilder) -> PromptInputs:
-        images = [load_image_source(url, media, f"image {i + 1}", prompter.image_limit)
-                  for i, url in enumerate(chat.image_urls)]
+        limit = prompter.image_limit
+        images = [load_image_source(url, media, f"image {i + 1}", limit) for i, url in enumerate(chat.image_urls)]
+        low = [detail == "low" for detail in chat.image_details]
+        image_kwargs = dict(chat.image_kwargs)
+        if limit is not None and any(low):
+            images = [limit.low_detail(image) if is_low else image for image, is_low in zip(images, low)]
+            if all(low):
+                image_kwargs.update(limit.low_detail_kwargs())
         return prompter.build(chat.messages, images, chat.tools, chat.instructions, request_id,
-                              add_generation_prompt, chat.template_kwargs, chat.image_kwargs)
+                              add_generation_prompt, chat.template_kwargs, image_kwargs)
 
     return ImagePrompt(make) if chat.image_urls else make
 

@@ -29,6 +29,7 @@ class ChatInput:
     instructions: str = ""  # for the system message, wherever the model's template keeps it
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # the chat template's own variables
     image_kwargs: dict[str, int] = field(default_factory=dict)  # the processor's min_pixels/max_pixels
+    image_details: list[str | None] = field(default_factory=list)  # each image's detail (low, high, auto)
 
 
 # apply_chat_template's own arguments, and the template itself: never a template variable from a client
@@ -84,18 +85,20 @@ def to_chat_input(req: ChatCompletionRequest, max_images: int,
         raise bad_request("n: only n=1 is supported", "n", "unsupported_value")
     _check_structures(req)
     urls: list[str] = []
+    details: list[str | None] = []
     names = _tool_call_names(req.messages)
-    messages = [_message(m, i, urls, names) for i, m in enumerate(req.messages)]
+    messages = [_message(m, i, urls, names, details) for i, m in enumerate(req.messages)]
     if len(urls) > max_images:
         raise bad_request(f"messages: {len(urls)} images is over the limit of {max_images} per request", "messages", "too_many_images")
     return ChatInput(messages, urls, _tools_for_template(req), _instructions(req),
                      template_kwargs(default_template_kwargs or {}, req.chat_template_kwargs),
-                     image_kwargs(req.mm_processor_kwargs, model_max_pixels, req.model))
+                     image_kwargs(req.mm_processor_kwargs, model_max_pixels, req.model), details)
 
 
-def _message(m: Message, index: int, urls: list[str], names: dict[str, str]) -> dict[str, Any]:
+def _message(m: Message, index: int, urls: list[str], names: dict[str, str],
+             details: list[str | None]) -> dict[str, Any]:
     role = "system" if m.role == "developer" else m.role
-    out: dict[str, Any] = {"role": role, "content": _content(m, index, urls)}
+    out: dict[str, Any] = {"role": role, "content": _content(m, index, urls, details)}
     if m.role == "assistant" and m.tool_calls:
         out["tool_calls"] = [_tool_call(tc, index, j) for j, tc in enumerate(m.tool_calls)]
     if m.role == "tool":
@@ -104,7 +107,7 @@ def _message(m: Message, index: int, urls: list[str], names: dict[str, str]) -> 
     return out
 
 
-def _content(m: Message, index: int, urls: list[str]) -> str | list[dict[str, Any]]:
+def _content(m: Message, index: int, urls: list[str], details: list[str | None]) -> str | list[dict[str, Any]]:
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
     parts: list[dict[str, Any]] = []
@@ -113,6 +116,7 @@ def _content(m: Message, index: int, urls: list[str]) -> str | list[dict[str, An
             if m.role != "user":
                 raise bad_request(f"messages.{index}: images are only allowed in user messages", f"messages.{index}.content")
             urls.append(part.image_url.url)
+            details.append(part.image_url.detail)
             parts.append({"type": "image"})
         else:
             parts.append({"type": "text", "text": part.text})

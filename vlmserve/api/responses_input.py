@@ -101,7 +101,8 @@ def _content(content: Any, where: str) -> Any:
             if not isinstance(url, str):
                 raise bad_request(f"{where}.{j}: input_image needs an image_url (file_id is not supported)",
                                   f"{where}.{j}", "unsupported_value")
-            parts.append({"type": "image_url", "image_url": {"url": url}})
+            detail = {"detail": part["detail"]} if part.get("detail") is not None else {}
+            parts.append({"type": "image_url", "image_url": {"url": url, **detail}})
         else:
             raise bad_request(f"{where}.{j}: content part type {kind!r} is not supported (input_text, input_image, "
                               "output_text)", f"{where}.{j}", "unsupported_value")

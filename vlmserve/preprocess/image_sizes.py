@@ -14,6 +14,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from PIL import Image
+
+LOW_DETAIL = 512  # OpenAI's detail: low is one 512x512 view of the image
+LOW_SOFT_TOKENS = 70  # Gemma 4's smallest soft-token budget (its processors take 70, 140, 280, 560, 1120)
+
 
 @dataclass(slots=True, frozen=True)
 class ProcessorLimit:
@@ -35,6 +40,25 @@ class ProcessorLimit:
     boxes: tuple[tuple[int, int], ...] = ()
     tiles: TileGrid | None = None
     takes_pixel_kwargs: bool = False  # its processor takes min_pixels/max_pixels per call (Qwen's)
+    # ``detail: low``: fewer pixels give fewer image tokens (the image is shrunk to ``LOW_DETAIL``), or
+    # the processor takes a smaller soft-token budget per call (Gemma 4's ``max_soft_tokens``)
+    shrinks: bool = False
+    soft_tokens: int | None = None
+
+    def low_detail(self, image: Image.Image) -> Image.Image:
+        """An image for ``detail: low``: fitted, aspect kept, into OpenAI's 512x512 where that means
+        fewer tokens here; as it came elsewhere."""
+        if not self.shrinks or (image.width <= LOW_DETAIL and image.height <= LOW_DETAIL):
+            return image
+        scale = LOW_DETAIL / max(image.width, image.height)
+        size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+        return image.resize(size, Image.Resampling.BICUBIC)
+
+    def low_detail_kwargs(self) -> dict[str, int]:
+        """The processor's per-call budget for a request whose every image is ``detail: low``."""
+        if self.soft_tokens is not None and self.soft_tokens > LOW_SOFT_TOKENS:
+            return {"max_soft_tokens": LOW_SOFT_TOKENS}
+        return {}
 
     def keeps(self, width: int, height: int) -> tuple[float, float]:
         """The smallest ``(width, height)`` an upright ``width x height`` image may be shrunk to."""
@@ -71,10 +95,10 @@ def processor_limit(processor: Any) -> ProcessorLimit | None:
     size = getattr(ip, "size", None)
     try:
         if getattr(ip, "max_pixels", None) and getattr(ip, "merge_size", None):  # Qwen's smart_resize
-            return ProcessorLimit(kind, area=int(ip.max_pixels), takes_pixel_kwargs=True)
+            return ProcessorLimit(kind, area=int(ip.max_pixels), takes_pixel_kwargs=True, shrinks=True)
         if kind.startswith("Gemma4"):
             patches = int(ip.max_soft_tokens) * int(ip.pooling_kernel_size) ** 2
-            return ProcessorLimit(kind, area=patches * int(ip.patch_size) ** 2)
+            return ProcessorLimit(kind, area=patches * int(ip.patch_size) ** 2, soft_tokens=int(ip.max_soft_tokens))
         if kind.startswith("Gemma3") and getattr(ip, "do_pan_and_scan", False):
             return None  # its crops come from the full image
         if kind.startswith("Lfm2Vl"):
@@ -84,8 +108,8 @@ def processor_limit(processor: Any) -> ProcessorLimit | None:
             return ProcessorLimit(kind, shortest_edge=_field(size, "shortest_edge"), boxes=boxes)
         longest, shortest = _field(size, "longest_edge"), _field(size, "shortest_edge")
         height, width = _field(size, "height"), _field(size, "width")
-        if longest:
-            return ProcessorLimit(kind, longest_edge=longest)
+        if longest:  # Pixtral and Mistral 3 only shrink; Idefics3 (SmolVLM) scales up to its longest edge
+            return ProcessorLimit(kind, longest_edge=longest, shrinks=not kind.startswith("Idefics3"))
         if shortest:
             return ProcessorLimit(kind, shortest_edge=shortest)
         if height and width:
@@ -101,9 +125,9 @@ def _lfm2_limit(ip: Any) -> ProcessorLimit:
     unit = int(ip.encoder_patch_size) * int(ip.downsample_factor)
     area = int(ip.max_image_tokens) * unit * unit
     if not getattr(ip, "do_image_splitting", False):
-        return ProcessorLimit(type(ip).__name__, area=area)
+        return ProcessorLimit(type(ip).__name__, area=area, shrinks=True)
     grid = TileGrid(int(ip.tile_size), int(ip.min_tiles), int(ip.max_tiles), area * float(ip.max_pixels_tolerance))
-    return ProcessorLimit(type(ip).__name__, area=area, tiles=grid)
+    return ProcessorLimit(type(ip).__name__, area=area, tiles=grid, shrinks=True)
 
 
 @dataclass(slots=True, frozen=True)
