@@ -57,10 +57,11 @@ class FakeCaches:
 def _step(s: Scheduler, sampled: dict[str, int] | None = None, errors: dict[str, str] | None = None,
           lengths: dict[str, int] | None = None) -> tuple[SchedulerOutput, list[RequestUpdate]]:
     """One engine step: plan, then apply what a runner would return (a token for each row that
-    decodes and each prompt that ends, unless ``sampled`` says otherwise)."""
+    decodes, each prompt that ends and its forks, unless ``sampled`` says otherwise)."""
     plan = s.schedule()
     ends = {c.request_id for c in plan.prefill if c.final and c.end >= _prompt_len(s, c.request_id)}
-    tokens = {rid: 7 for rid in ends | set(plan.decode)} if sampled is None else sampled
+    forks = {f for c in plan.prefill if c.request_id in ends for f in c.forks}  # n > 1: sampled with the prompt
+    tokens = {rid: 7 for rid in ends | forks | set(plan.decode)} if sampled is None else sampled
     out = RunnerOutput({k: Sample(v) for k, v in tokens.items()}, lengths or {}, errors or {})
     return plan, s.update_from_output(plan, out)
 
@@ -402,3 +403,43 @@ def test_a_footprint_counts_windows_and_fixed_state():
     assert f.row_bytes(500) == 4 * 500 + 2 * 100 + 1000
     assert KVBudget(10_000, f).refusal(3000) is not None and KVBudget(10_000, f).refusal(10) is None
     assert KVBudget(None, f).refusal(10**9) is None
+
+
+def _forked(rid: str, n: int, **kw: object) -> Request:
+    """A request with ``n - 1`` forks (n > 1), as the core makes them."""
+    req = _req(rid, **kw)  # type: ignore[arg-type]
+    for i in range(1, n):
+        fork = _req(f"{rid}-{i}", **kw)  # type: ignore[arg-type]
+        fork.fork_of = rid
+        req.forks.append(fork)
+    return req
+
+
+def test_a_request_with_forks_is_admitted_with_them_and_prefilled_once():
+    big, small = _forked("n3", 3, prompt_len=40), _req("r")
+    s = _scheduler(_req("first"), big, small, batch=3, budget=16)
+    plan = s.schedule()
+    assert [n.request_id for n in plan.new] == ["first"]  # n3 needs 3 slots, 2 are free; r may not overtake it
+    assert s.num_running == 1
+    _step(s)
+    _step(s, {"first": 2})  # first ends (EOS): three slots free
+    plan = s.schedule()
+    assert [n.request_id for n in plan.new] == ["n3"] and s.num_running == 3 and plan.new[0].forks == (("n3-1", big.params), ("n3-2", big.params))
+    assert [c.request_id for c in plan.prefill] == ["n3"] and "n3-1" not in plan.encode_ids  # forks are not prompts
+    while not big.prefill_done:
+        plan, updates = _step(s)
+    (last,) = [c for c in plan.prefill if c.request_id == "n3"]
+    assert last.forks == ("n3-1", "n3-2") and all(f.encoded and f.prefill_done for f in big.forks)
+    assert {u.request.request_id for u in updates} >= {"n3", "n3-1", "n3-2"}
+    plan, _ = _step(s)
+    assert {"n3", "n3-1", "n3-2"} <= set(plan.decode)
+
+
+def test_a_prompt_that_fails_before_it_forks_fails_its_forks():
+    req = _forked("n2", 2, prompt_len=40)
+    s = _scheduler(req, budget=16)
+    s.schedule()
+    plan, updates = _step(s, {}, errors={"n2": "boom"})
+    assert [(u.request.request_id, u.finish) for u in updates] == [("n2", RequestStatus.FINISHED_ERROR),
+                                                                  ("n2-1", RequestStatus.FINISHED_ERROR)]
+    assert s.num_running == 0 and sorted(s.take_finished()) == ["n2", "n2-1"]

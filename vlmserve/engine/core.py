@@ -181,6 +181,11 @@ class EngineCore:
             self._pending[message.request_id] = _Pending(message.request_id, None, finish=RequestStatus.FINISHED_ABORTED)
             return
         req = new_request(self.loaded, message.request_id, message.prompt, message.params, message.arrival_time)
+        for fork_id, params in message.forks:
+            fork = new_request(self.loaded, fork_id, message.prompt, params, message.arrival_time)
+            fork.fork_of = req.request_id
+            req.forks.append(fork)
+            self._requests[fork_id] = fork
         self._requests[req.request_id] = req
         self.scheduler.add(req)
 
@@ -217,7 +222,10 @@ class EngineCore:
                 pending.finish, pending.error = update.finish, update.error
 
     def _finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
-        """End a request outside a step's results (abort, shutdown); the runner frees it next step."""
+        """End a request outside a step's results (abort, shutdown); the runner frees it next step.
+        Its forks that were not forked yet end with it: their prompt is its own."""
+        for fork in req.live_forks:
+            self._finish(fork, status, error)
         self.scheduler.finish(req, status)
         self._requests.pop(req.request_id, None)
         pending = self._pending_for(req)

@@ -91,11 +91,12 @@ class KVBudget:
     def fits(self, needs: Sequence[int]) -> bool:
         return self.limit_bytes is None or len(needs) <= 1 or self.batch_bytes(needs) <= self.limit_bytes
 
-    def refusal(self, need: int) -> str | None:
-        """Why a request of this need can never run, however empty the batch; None if it can."""
+    def refusal(self, need: int, rows: int = 1) -> str | None:
+        """Why a request of this need (``rows`` of it: n > 1) can never run, however empty the batch;
+        None if it can."""
         if self.limit_bytes is None:
             return None
-        cost = self.footprint.row_bytes(need)
+        cost = self.footprint.row_bytes(need) * rows
         if cost <= self.limit_bytes:
             return None
         return (f"its KV cache would take {cost / 2**20:.1f} MiB ({need} positions: prompt + max_tokens), "

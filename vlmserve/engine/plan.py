@@ -42,6 +42,7 @@ class NewRequest:
     params: SamplingParams
     prefix: Any = None
     num_cached: int = 0
+    forks: tuple[tuple[str, SamplingParams], ...] = ()  # n > 1: rows forked from it when its prefill ends
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,6 +76,7 @@ class PrefillChunk:
     first_layer: int = 0
     last_layer: int | None = None  # None: through the last layer
     store_prefix: bool = False  # the prompt ends here and its KV goes into the prefix cache
+    forks: tuple[str, ...] = ()  # the prompt ends here: these requests fork from it (n > 1)
 
     @property
     def num_tokens(self) -> int:

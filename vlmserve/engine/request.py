@@ -86,6 +86,9 @@ class AddRequest:
     prompt: PromptInputs
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)  # posted: its prompt was ready for the engine
+    # n > 1: more requests of the same prompt, each with its own sampling; they share this one's
+    # prefill and become rows of their own when it ends (its KV copied, its last logits sampled again)
+    forks: tuple[tuple[str, SamplingParams], ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -120,6 +123,10 @@ class Request:
     num_prompt_tokens: int = -1
     arrival_time: float = field(default_factory=time.monotonic)  # when its prompt was ready (AddRequest's)
     first_token_time: float | None = None  # when the step that sampled its first token ended
+    # n > 1: the requests forked from this one when its prefill ends (admitted with it), or the one
+    # this request is forked from (it is never encoded or prefilled itself)
+    forks: list[Request] = field(default_factory=list)
+    fork_of: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -128,6 +135,16 @@ class Request:
     @property
     def prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def waits_for_fork(self) -> bool:
+        """A fork whose prompt is still its parent's to prefill."""
+        return self.fork_of is not None and not self.encoded
+
+    @property
+    def live_forks(self) -> list[Request]:
+        """Forks not forked yet and not ended (an aborted fork is not copied)."""
+        return [f for f in self.forks if f.waits_for_fork and not f.status.finished]
 
     @property
     def num_images(self) -> int:

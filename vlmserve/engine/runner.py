@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import mlx.core as mx
@@ -54,6 +54,7 @@ class PromptRow:
     hidden: mx.array | None = None  # split by layers: the hidden state after the layers done so far
     vision_hidden: mx.array | None = None  # its image split by tower blocks: the state after those done
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: each position's so far
+    forks: dict[str, SamplingParams] = field(default_factory=dict)  # n > 1: rows copied from it at its end
 
 
 class ModelRunner:
@@ -99,7 +100,7 @@ class ModelRunner:
                 self._guarded(out, live, self._prefill_together, live, chunks, out)
         for chunk in plan.prefill:
             if chunk.request_id not in together and chunk.request_id not in out.errors:
-                self._guarded(out, [chunk.request_id], self._prefill, chunk, out)
+                self._guarded(out, [chunk.request_id, *chunk.forks], self._prefill, chunk, out)
 
     def _guarded(self, out: RunnerOutput, request_ids: list[str], fn: Callable[..., object], *args: object) -> None:
         """Run one part of the step; if it raises, log it and fail the requests it touched."""
@@ -116,7 +117,7 @@ class ModelRunner:
         assert not (new.prompt.has_images and new.num_cached), "image prompts never reuse KV"
         input_ids = mx.array(new.prompt.input_ids, dtype=mx.int32)[None]
         cache = new.prefix if new.prefix is not None else self.adapter.make_cache()
-        row = self.prompts[new.request_id] = PromptRow(new.prompt, new.params, input_ids, cache)
+        row = self.prompts[new.request_id] = PromptRow(new.prompt, new.params, input_ids, cache, forks=dict(new.forks))
         if new.params.prompt_logprobs is not None:
             assert not new.num_cached, "a scored prompt reuses no KV"
             row.prompt_logprobs = [None]  # the first token has nothing before it
@@ -218,13 +219,17 @@ class ModelRunner:
             mx.eval([c.state for c in row.cache])
             return
         mx.eval(logits, [c.state for c in row.cache], embedded.row_state)
-        (first,), sampling = self._sample_first(logits, [row])
+        forks = [row.forks[f] for f in chunk.forks]
+        firsts, sampling = self._sample_first(logits, [row], forks)
         if row.prompt_logprobs is not None:
-            first = replace(first, prompt_logprobs=tuple(row.prompt_logprobs))
-        out.samples[chunk.request_id] = first
+            firsts[0] = replace(firsts[0], prompt_logprobs=tuple(row.prompt_logprobs))
+        ids = [chunk.request_id, *chunk.forks]
+        out.samples.update(zip(ids, firsts))
         if chunk.store_prefix:
             self.caches.store_prefix(row.prompt.input_ids, row.cache)
-        self._join([chunk.request_id], [type(c).merge([c]) for c in row.cache], embedded.row_state, sampling, [first])
+        rows = 1 + len(forks)  # n > 1: the prompt's KV and state copied into a row per fork
+        row_state = {k: mx.concatenate([v] * rows) if rows > 1 else v for k, v in embedded.row_state.items()}
+        self._join(ids, [type(c).merge([c] * rows) for c in row.cache], row_state, sampling, firsts)
 
     def _prefill_scored(self, row: PromptRow, embedded: Embedded, chunk: PrefillChunk) -> mx.array:
         """A chunk whose every position's logits are kept: each next prompt token's logprob (and the
@@ -274,19 +279,24 @@ class ModelRunner:
                                                                     for c in cache])
         self._join(request_ids, cache, row_state, sampling, firsts)
 
-    def _sample_first(self, logits: mx.array, rows: list[PromptRow]) -> tuple[list[Sample], list[RowState]]:
-        """Each prompt's first token, and the sampling row it takes into the decode batch."""
+    def _sample_first(self, logits: mx.array, rows: list[PromptRow], forks: list[SamplingParams] | None = None
+                      ) -> tuple[list[Sample], list[RowState]]:
+        """Each prompt's first token, and the sampling row it takes into the decode batch; ``forks``
+        (one prompt, n > 1): more rows sampled from its logits, each with its own sampling."""
         sampling = [RowState.create(r.params, r.prompt.input_ids) for r in rows]
+        if forks:
+            sampling += [RowState.create(p, rows[0].prompt.input_ids) for p in forks]
+            logits = mx.concatenate([logits] * len(sampling))
         sampled = sample(logits, sampling, allowed=guided.allowed(sampling, logits.shape[-1]))
         for row in rows:
             row.embedded, row.hidden = None, None  # the vision features are in the KV now; free them
-        return [sampled.read(i) for i in range(len(rows))], sampling
+        return [sampled.read(i) for i in range(len(sampling))], sampling
 
     def _join(self, request_ids: list[str], cache: list[Any], row_state: dict[str, mx.array],
               sampling: list[RowState], firsts: list[Sample]) -> None:
         """Prefilled prompts become the decode batch's last rows; each one's first token is its next input."""
         for request_id in request_ids:
-            del self.prompts[request_id]
+            self.prompts.pop(request_id, None)  # a fork (n > 1) had no prompt row of its own
         self.batch.extend(request_ids, cache, row_state, sampling, [s.token_id for s in firsts])
 
     # -- decode ---------------------------------------------------------------------

@@ -149,7 +149,8 @@ class Scheduler:
         decoding = [r for r in self.running if r.encoded and r.prefill_done]
         out.decode = [r.request_id for r in decoding]
         since = min((r.first_token_time or math.inf for r in decoding), default=math.inf)
-        text = [EncodeChunk(r.request_id) for r in self.running if not r.encoded and not r.num_images]
+        text = [EncodeChunk(r.request_id) for r in self.running
+                if not r.encoded and not r.num_images and r.fork_of is None]
         budgets = _Budgets(self.config.prefill_chunk, min(self.stream_tokens, self.config.prefill_chunk), since,
                            self.config.encoder_budget, any(r.num_computed_layers for r in self.running))
         self._plan_prefill(budgets, {c.request_id for c in text})
@@ -172,16 +173,21 @@ class Scheduler:
                 break
 
     def _admit(self) -> list[Request]:
-        """Move waiting requests into free batch slots while the KV budget holds them."""
+        """Move waiting requests into free batch slots while the KV budget holds them; a request with
+        forks (n > 1) comes in with them, a slot each."""
         admitted = []
-        while self.waiting and len(self.running) < self.config.max_batch_size:
-            if not self.budget.fits([kv_need(r) for r in (*self.running, self.waiting[0])]):
+        while self.waiting:
+            group = [self.waiting[0], *self.waiting[0].live_forks]
+            if len(self.running) + len(group) > self.config.max_batch_size:
+                break
+            if not self.budget.fits([kv_need(r) for r in (*self.running, *group)]):
                 break  # first come, first served: the head waits for memory, nobody overtakes it
-            req = self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._by_id[req.request_id] = req
-            admitted.append(req)
+            self.waiting.popleft()
+            for req in group:
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                self._by_id[req.request_id] = req
+            admitted.append(group[0])
         return admitted
 
     def _enter(self, req: Request) -> NewRequest:
@@ -189,7 +195,8 @@ class Scheduler:
         if self._prefix_cacheable(req) and self.caches is not None:
             prefix, cached = self.caches.lookup_prefix(req.prompt.input_ids)
         req.num_computed_tokens = req.num_cached_tokens = cached
-        return NewRequest(req.request_id, req.prompt, req.params, prefix, cached)
+        forks = tuple((f.request_id, f.params) for f in req.forks)
+        return NewRequest(req.request_id, req.prompt, req.params, prefix, cached, forks)
 
     def _prefix_cacheable(self, req: Request) -> bool:
         # Never reuse KV for a prompt with pixel_values: same tokens, different image.
@@ -206,7 +213,7 @@ class Scheduler:
         planned: list[EncodeChunk] = []
         through = 0.0
         for req in self.running:
-            if req.encoded or not req.num_images:
+            if req.encoded or not req.num_images or req.fork_of is not None:
                 continue
             images, pixels = self._encode_need(req)
             first = not (planned or budgets.prefill)
@@ -277,11 +284,17 @@ class Scheduler:
         budgets.spend(-(-(end - start) * (layers[1] - layers[0]) // self.config.num_layers))
         last = None if layers[1] >= self.config.num_layers else layers[1]
         return PrefillChunk(req.request_id, start, end, layers[0], last,
-                            store_prefix=last is None and self._prefix_cacheable(req))
+                            store_prefix=last is None and self._prefix_cacheable(req),
+                            forks=self._forks(req) if last is None else ())
 
     def _tokens_chunk(self, req: Request, start: int, end: int) -> PrefillChunk:
-        store = end == req.num_prompt_tokens and self._prefix_cacheable(req)
-        return PrefillChunk(req.request_id, start, end, store_prefix=store)
+        ends = end == req.num_prompt_tokens
+        return PrefillChunk(req.request_id, start, end, store_prefix=ends and self._prefix_cacheable(req),
+                            forks=self._forks(req) if ends else ())
+
+    @staticmethod
+    def _forks(req: Request) -> tuple[str, ...]:
+        return tuple(f.request_id for f in req.live_forks)
 
     def _layers(self, req: Request, length: int, tokens: int, first: bool) -> tuple[int, int] | None:
         """The layers ``[a, b)`` a prompt of ``length`` positions runs for ``tokens`` of budget: each
@@ -301,7 +314,7 @@ class Scheduler:
         for chunk in chunks:
             req = self._by_id.get(chunk.request_id)
             if req is not None and req.batchable and chunk.start == 0 and chunk.final and chunk.first_layer == 0 \
-                    and chunk.end == req.num_prompt_tokens:
+                    and chunk.end == req.num_prompt_tokens and not chunk.forks:
                 whole.append(chunk.request_id)
         return [whole] if len(whole) > 1 else []
 
@@ -320,15 +333,20 @@ class Scheduler:
             if req is not None and chunk.request_id not in output.errors:
                 req.num_computed_layers = 0 if chunk.final else chunk.last_layer or 0
                 req.num_computed_tokens = chunk.end if chunk.final else req.num_computed_tokens
-        touched = [*plan.encode_ids, *plan.decode, *(c.request_id for c in plan.prefill)]
+                for fork in (self._by_id.get(f) for f in chunk.forks):
+                    if fork is not None and fork.request_id in output.samples:  # a row of its own now
+                        fork.encoded, fork.num_prompt_tokens = True, req.num_prompt_tokens
+                        fork.num_computed_tokens, fork.num_cached_tokens = req.num_prompt_tokens, req.num_cached_tokens
+        touched = [*plan.encode_ids, *plan.decode, *(r for c in plan.prefill for r in (c.request_id, *c.forks))]
         now = time.monotonic()
         for request_id in dict.fromkeys(touched):
             req = self._by_id.get(request_id)
             if req is None:
                 continue
             if request_id in output.errors:
-                self.finish(req, RequestStatus.FINISHED_ERROR)
-                updates.append(RequestUpdate(req, finish=req.status, error=output.errors[request_id]))
+                for fork in [req, *req.live_forks]:  # forks not forked yet: their prompt failed too
+                    self.finish(fork, RequestStatus.FINISHED_ERROR)
+                    updates.append(RequestUpdate(fork, finish=fork.status, error=output.errors[request_id]))
             elif (sample := output.samples.get(request_id)) is not None:
                 req.first_token_time = req.first_token_time or now
                 updates.append(self._take(req, sample.token_id))
@@ -345,7 +363,7 @@ class Scheduler:
         """Take a request out of the scheduler for good (done, aborted or failed); the runner frees
         what it holds of it at the next step."""
         assert status.finished
-        if req.status is RequestStatus.WAITING:
+        if req.status is RequestStatus.WAITING and req.fork_of is None:  # a fork waits with its parent
             self.waiting.remove(req)
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)

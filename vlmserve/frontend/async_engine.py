@@ -244,18 +244,44 @@ class AsyncEngine:
         return self.generate(request_id, lambda p: p.build(messages, images, tools, request_id=request_id), params)
 
     async def generate(self, request_id: str, prompt: PromptInputs | PromptFactory | ImagePrompt,
-                       params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
-        """Stream outputs for one request; cancelling the consumer aborts the request."""
-        self._admit(request_id)
+                       params: SamplingParams, forks: Sequence[tuple[str, SamplingParams]] = ()
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream outputs for one request; cancelling the consumer aborts the request. ``forks`` (n > 1):
+        more requests of this prompt, each with its own sampling, that share its prefill and become
+        rows of their own when it ends; read each with ``follow`` once this one has its first output."""
+        if 1 + len(forks) > self.config.max_batch_size:
+            raise ValueError(f"{1 + len(forks)} rows of one prompt cannot fit a batch of {self.config.max_batch_size}")
+        self._admit(request_id, len(forks))
         admitted = time.monotonic()
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._streams[request_id] = q
-        submitted = engine_done = False
         try:
             prompt = await self._phase1(prompt)
-            self._check_fits(prompt, params)
-            self._check_alive().post(AddRequest(request_id, prompt, params))
-            submitted = True
+            self._check_fits(prompt, params, 1 + len(forks))
+            for fork_id, _ in forks:  # before the post: their outputs may come with the prompt's first
+                self._streams[fork_id] = asyncio.Queue()
+            self._check_alive().post(AddRequest(request_id, prompt, params, forks=tuple(forks)))
+        except BaseException:
+            for stream_id in (request_id, *(f for f, _ in forks)):
+                self._streams.pop(stream_id, None)
+            raise
+        outputs = self.follow(request_id, params, admitted)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
+
+    async def follow(self, request_id: str, params: SamplingParams, admitted: float | None = None
+                     ) -> AsyncGenerator[RequestOutput, None]:
+        """A submitted request's outputs until it ends (a fork's: ``generate``'s ``forks``; nothing if
+        its prompt never reached the engine); closed early, it aborts the request."""
+        q = self._streams.get(request_id)
+        if q is None:
+            return
+        admitted = admitted if admitted is not None else time.monotonic()
+        engine_done = False
+        try:
             output = OutputProcessor(self.tokenizer, params.stop, params.skip_special_tokens)
             while True:
                 self._busy_since.pop(request_id, None)
@@ -270,9 +296,9 @@ class AsyncEngine:
             if self._streams.get(request_id) is q:
                 del self._streams[request_id]
             self._busy_since.pop(request_id, None)
-            if submitted and not engine_done:
+            if not engine_done:
                 self.abort(request_id)  # disconnect, break or stop string: the worker frees the slot
-            elif engine_done:
+            else:
                 took = time.monotonic() - admitted
                 self._request_s = took if not self._request_s else (1 - _AVERAGE) * self._request_s + _AVERAGE * took
 
@@ -288,13 +314,13 @@ class AsyncEngine:
         if self.core is not None:
             self.core.post(AbortRequest(request_id))
 
-    def _admit(self, request_id: str) -> None:
+    def _admit(self, request_id: str, forks: int = 0) -> None:
         self._check_alive()
         if not self.ready and request_id not in self._start_ids:  # warm-up and start-up measures need it alone
             raise EngineNotReadyError(f"model {self.name!r} is loading", STARTING_RETRY_S)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        if len(self._streams) >= self.config.max_batch_size + self.config.max_queue:
+        if len(self._streams) + forks >= self.config.max_batch_size + self.config.max_queue:
             raise EngineOverloadedError(
                 f"model {self.name!r} is overloaded: {len(self._streams)} requests in flight; retry later",
                 self.retry_after_s())
@@ -337,7 +363,7 @@ class AsyncEngine:
             return await asyncio.get_running_loop().run_in_executor(self._image_pool, prompt.build, prompter)
         return await asyncio.get_running_loop().run_in_executor(self._pool, prompt, prompter)
 
-    def _check_fits(self, prompt: PromptInputs, params: SamplingParams) -> None:
+    def _check_fits(self, prompt: PromptInputs, params: SamplingParams, rows: int = 1) -> None:
         assert self.loaded is not None
         most = self.loaded.adapter.max_images
         if most is not None and prompt.num_images > most:
@@ -346,7 +372,8 @@ class AsyncEngine:
         limit = self.loaded.max_context
         if len(prompt) + 1 > limit:
             raise PromptTooLongError(f"prompt is {len(prompt)} tokens; model {self.name!r} allows at most {limit - 1}")
-        refusal = self.kv.refusal(min(len(prompt) + params.max_tokens, limit)) if self.kv is not None else None
+        need = min(len(prompt) + params.max_tokens, limit)
+        refusal = self.kv.refusal(need, rows) if self.kv is not None else None
         if refusal is not None:
             raise OverBudgetError(f"model {self.name!r} cannot take this request: {refusal}")
 
