@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -17,10 +17,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from vlmserve.api.errors import APIError, bad_request, retry_after
 from vlmserve.api.messages import ChatInput, guide_spec, to_chat_input, to_sampling_params
-from vlmserve.api.openai_format import ChoiceBuilder
+from vlmserve.api.openai_format import ChoiceBuilder, choices_usage
 from vlmserve.api.schemas import ChatCompletionRequest
 from vlmserve.api.state import ServedModel, ServerState
-from vlmserve.engine.params import PromptInputs
+from vlmserve.engine.params import PromptInputs, SamplingParams
 from vlmserve.frontend.async_engine import (
     EngineNotReadyError,
     EngineOverloadedError,
@@ -59,6 +59,15 @@ def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str,
 
 
 @dataclass(slots=True)
+class Fork:
+    """A further choice of a chat request with n > 1: its own builder and outputs (the engine's fork)."""
+
+    builder: ChoiceBuilder
+    stream: AsyncGenerator[RequestOutput, None]
+    finish: str = "error"
+
+
+@dataclass(slots=True)
 class Call:
     """One chat request in flight: what the response needs, and its timing for logs and metrics."""
 
@@ -70,6 +79,16 @@ class Call:
     ttft: float | None = None
     finish: str = "error"
     last_token: float = 0.0
+    forks: list[Fork] = field(default_factory=list)  # choices 1..n-1
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        return choices_usage([self.builder.usage, *(f.builder.usage for f in self.forks)])
+
+    async def close_forks(self) -> None:
+        """End the further choices' streams (each one still running is aborted)."""
+        for fork in self.forks:
+            await fork.stream.aclose()
 
     def observe(self, out: RequestOutput) -> None:
         if not out.token_ids:
@@ -83,7 +102,7 @@ class Call:
 
     def done(self, status: str, detail: str = "") -> None:
         latency = time.perf_counter() - self.start
-        usage = self.builder.usage
+        usage = self.usage
         self.state.metrics.finished(self.served.name, status, self.ttft, latency, usage)
         ttft = f"{self.ttft:.3f}s" if self.ttft is not None else "-"
         log.info("%s model=%s prompt=%s completion=%s ttft=%s total=%.3fs finish=%s%s", self.builder.id,
@@ -129,9 +148,30 @@ async def open_call(req: ChatCompletionRequest, http: Request, state: ServerStat
             raise bad_request(f"{wanted[1]}: {exc}", wanted[1], "invalid_grammar") from None
     builder = ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools, opens_reasoning)
     call = Call(state, served, req, builder, time.perf_counter())
-    stream = engine.generate(request_id, prompt_factory(chat, state.media, request_id), params)
+    forks = [(f"{request_id}-{i}", _fork_params(params, i)) for i in range(1, _choices(req, engine.config.max_batch_size))]
+    stream = engine.generate(request_id, prompt_factory(chat, state.media, request_id), params, forks)
+    call.forks = [Fork(ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools,
+                                     opens_reasoning, i), engine.follow(fork_id, p))
+                  for i, (fork_id, p) in enumerate(forks, 1)]
     first = await until_done_or_disconnect(http, _first_output(stream, call), stream)
-    return None if first is GONE else (call, first, stream)
+    if first is GONE:
+        await call.close_forks()
+        return None
+    return call, first, stream
+
+
+def _choices(req: ChatCompletionRequest, max_batch: int) -> int:
+    """``n``: the choices, each a row of the batch (they share one prefill)."""
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= max_batch:
+        raise bad_request(f"n: {n} choices; this server takes 1 to {max_batch} (each is a row of its batch of "
+                          f"{max_batch})", "n", "invalid_value")
+    return n
+
+
+def _fork_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice ``i``'s sampling: the request's, with seed + i when it has a seed (as vLLM does)."""
+    return params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**64)
 
 
 async def _first_output(stream: AsyncGenerator[RequestOutput, None], call: Call) -> RequestOutput:
@@ -179,8 +219,26 @@ def engine_fault(request_id: str, message: str | None, draining: bool = False) -
 
 
 async def _complete(call: Call, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]) -> JSONResponse:
-    await run_to_end(call, first, stream)
-    return JSONResponse(call.builder.response(call.finish, bool(call.req.logprobs)))
+    try:
+        await asyncio.gather(run_to_end(call, first, stream), *(_fork_to_end(call, f) for f in call.forks))
+    finally:
+        await call.close_forks()
+    if call.forks:
+        call.done(call.finish)
+    want = bool(call.req.logprobs)
+    others = [f.builder.choice(f.finish, want) for f in call.forks]
+    return JSONResponse(call.builder.response(call.finish, want, others, call.usage))
+
+
+async def _fork_to_end(call: Call, fork: Fork) -> None:
+    out = None
+    async for out in fork.stream:
+        call.observe(out)
+        fork.builder.step(out)
+    if out is None or out.finish_reason == "error":
+        raise failed(call, engine_fault(call.builder.id, out.error if out is not None else "no output",
+                                        call.state.draining))
+    fork.finish = fork.builder.finish_reason(out.finish_reason)
 
 
 async def run_to_end(call: Call, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
@@ -195,7 +253,8 @@ async def run_to_end(call: Call, first: RequestOutput, stream: AsyncGenerator[Re
         if out.finish_reason == "error":
             raise failed(call, engine_fault(call.builder.id, out.error, call.state.draining))
         call.finish = call.builder.finish_reason(out.finish_reason)
-        call.done(call.finish)
+        if not call.forks:  # with n > 1, once every choice has ended
+            call.done(call.finish)
         return out
     finally:
         await stream.aclose()
@@ -227,30 +286,44 @@ async def disconnected(http: Request) -> None:
 
 
 async def _sse(call: Call, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[str]:
-    b = call.builder
+    """The stream: each choice's role chunk, then their outputs as they come (with n > 1 one output
+    of each choice in turn: they decode in the same steps), the usage once every choice has ended."""
+    choices = [Fork(call.builder, stream), *call.forks]
     status = "disconnected"
     try:
-        yield sse_event(b.chunk({"role": "assistant", "content": ""}))
-        out: RequestOutput | None = first
-        while out is not None:
-            if out.finish_reason == "error":
-                status = "error"
-                yield sse_event(engine_fault(b.id, out.error, call.state.draining).body())
-                break
-            for chunk in _chunks(b, out, call):
-                yield sse_event(chunk)
-            if out.finished:
-                status = call.finish
-                break
-            out = await stream.__anext__()
-            call.observe(out)
+        for choice in choices:
+            yield sse_event(choice.builder.chunk({"role": "assistant", "content": ""}))
+        live: list[Fork] = list(choices)
+        given: RequestOutput | None = first
+        while live:
+            for choice in list(live):
+                if given is not None:
+                    out, given = given, None
+                else:
+                    out = await choice.stream.__anext__()
+                    call.observe(out)
+                if out.finish_reason == "error":
+                    status = "error"
+                    yield sse_event(engine_fault(call.builder.id, out.error, call.state.draining).body())
+                    live = []
+                    break
+                for chunk in _chunks(choice, out):
+                    yield sse_event(chunk)
+                if out.finished:
+                    live.remove(choice)
+        if status != "error":
+            status = call.finish = choices[0].finish
+            if call.req.stream_options and call.req.stream_options.include_usage:
+                yield sse_event(call.builder.usage_chunk(call.usage))
         yield "data: [DONE]\n\n"
     finally:
         call.done(status)
         await stream.aclose()
+        await call.close_forks()
 
 
-def _chunks(b: ChoiceBuilder, out: RequestOutput, call: Call) -> list[dict[str, Any]]:
+def _chunks(choice: Fork, out: RequestOutput) -> list[dict[str, Any]]:
+    b = choice.builder
     delta = b.step(out)
     chunks = []
     if delta:
@@ -266,10 +339,8 @@ def _chunks(b: ChoiceBuilder, out: RequestOutput, call: Call) -> list[dict[str, 
         # SDK 2.x accumulator and llama-index see two calls, one nameless.
         chunks.extend(b.chunk({"tool_calls": [call]}) for call in delta.tool_calls)
     if out.finished:
-        call.finish = b.finish_reason(out.finish_reason)
-        chunks.append(b.chunk({}, call.finish))
-        if call.req.stream_options and call.req.stream_options.include_usage:
-            chunks.append(b.usage_chunk())
+        choice.finish = b.finish_reason(out.finish_reason)
+        chunks.append(b.chunk({}, choice.finish))
     return chunks
 
 

@@ -81,8 +81,6 @@ def image_kwargs(given: Mapping[str, int] | None, model_max_pixels: int | None, 
 def to_chat_input(req: ChatCompletionRequest, max_images: int,
                   default_template_kwargs: Mapping[str, Any] | None = None,
                   model_max_pixels: int | None = None) -> ChatInput:
-    if req.n not in (None, 1):
-        raise bad_request("n: only n=1 is supported", "n", "unsupported_value")
     _check_structures(req)
     urls: list[str] = []
     details: list[str | None] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +28,8 @@ class ChoiceBuilder:
     """Turns each step's output into content, tool-call deltas and logprobs, exactly once."""
 
     def __init__(self, request_id: str, model: str, tokenizer: Any, parser: str | None,
-                 tools: list[dict[str, Any]] | None, reasoning_opened: bool = False) -> None:
-        self.id, self.model, self.created = request_id, model, int(time.time())
+                 tools: list[dict[str, Any]] | None, reasoning_opened: bool = False, index: int = 0) -> None:
+        self.id, self.model, self.created, self.index = request_id, model, int(time.time()), index
         self._tokenizer = tokenizer
         self._parser = ToolCallStreamParser(parser, tools) if parser and tools else None
         self._reasoning = ReasoningSplitter(reasoning_opened)
@@ -70,14 +71,20 @@ class ChoiceBuilder:
 
     def chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+        choice = {"index": self.index, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
                   "finish_reason": finish_reason}
         return self._envelope("chat.completion.chunk", choices=[choice])
 
-    def usage_chunk(self) -> dict[str, Any]:
-        return self._envelope("chat.completion.chunk", choices=[], usage=self.usage)
+    def usage_chunk(self, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._envelope("chat.completion.chunk", choices=[], usage=usage or self.usage)
 
-    def response(self, finish_reason: str, want_logprobs: bool) -> dict[str, Any]:
+    def response(self, finish_reason: str, want_logprobs: bool, others: Sequence[dict[str, Any]] = (),
+                 usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The whole reply; ``others``: more choices (n > 1), ``usage``: theirs and this one's."""
+        return self._envelope("chat.completion", choices=[self.choice(finish_reason, want_logprobs), *others],
+                              usage=usage or self.usage)
+
+    def choice(self, finish_reason: str, want_logprobs: bool) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": self.content or None}
         if self.reasoning:
             message["reasoning_content"] = self.reasoning
@@ -86,9 +93,8 @@ class ChoiceBuilder:
             message["tool_calls"] = [c.to_openai() for c in calls]
         else:
             message["content"] = self.content
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason,
-                  "logprobs": {"content": self.logprobs} if want_logprobs else None}
-        return self._envelope("chat.completion", choices=[choice], usage=self.usage)
+        return {"index": self.index, "message": message, "finish_reason": finish_reason,
+                "logprobs": {"content": self.logprobs} if want_logprobs else None}
 
     def _envelope(self, obj: str, **fields: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -102,6 +108,13 @@ class ChoiceBuilder:
     def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text, raw = token_text_and_bytes(self._tokenizer, token_id)
         return {"token": text, "logprob": logprob, "bytes": raw}
+
+
+def choices_usage(usages: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The usage of n > 1 choices of one prompt: its tokens once (prefilled once), every choice's completion."""
+    first = usages[0]
+    completion = sum(u.get("completion_tokens", 0) for u in usages)
+    return {**first, "completion_tokens": completion, "total_tokens": first.get("prompt_tokens", 0) + completion}
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
