@@ -17,19 +17,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from vlmserve.api.anthropic_input import CountTokensRequest, MessagesRequest, to_chat_request
-from vlmserve.api.chat import (
-    GONE,
-    SSE_HEADERS,
-    Call,
-    engine_fault,
-    open_call,
-    run_to_end,
-    sse_event,
-    until_done_or_disconnect,
-)
+from vlmserve.api.chat import Call, engine_fault, outputs, serve_call, sse_event
 from vlmserve.api.openai_format import Delta
 from vlmserve.api.state import ServerState
 from vlmserve.api.tokenize import chat_prompt_ids
@@ -37,17 +27,8 @@ from vlmserve.frontend.output import RequestOutput
 
 
 async def create_message(req: MessagesRequest, http: Request, state: ServerState) -> Any:
-    message_id = f"msg_{uuid.uuid4().hex}"
-    opened = await open_call(to_chat_request(req), http, state, message_id)
-    if opened is None:
-        return JSONResponse({}, status_code=499)
-    call, first, stream = opened
-    if req.stream:
-        return StreamingResponse(_events(call, first, stream), media_type="text/event-stream", headers=SSE_HEADERS)
-    last = await until_done_or_disconnect(http, run_to_end(call, first, stream), stream)
-    if last is GONE:
-        return JSONResponse({}, status_code=499)
-    return JSONResponse(message(call, blocks(call), *stop_reason(call.finish, last), usage(last)))
+    return await serve_call(to_chat_request(req), http, state, f"msg_{uuid.uuid4().hex}", _events,
+                            lambda call, last: message(call, blocks(call), *stop_reason(call.finish, last), usage(last)))
 
 
 async def count_tokens(req: CountTokensRequest, state: ServerState) -> dict[str, int]:
@@ -140,17 +121,13 @@ async def _events(call: Call, first: RequestOutput, stream: AsyncGenerator[Reque
         yield sse_event({"type": "message_start", "message": message(call, [], None, None, start)}, "message_start")
         yield sse_event({"type": "ping"}, "ping")
         out = first
-        while True:
+        async for out in outputs(call, first, stream):
             if out.finish_reason == "error":
                 status = "error"
                 yield sse_event(engine_fault(b.id, out.error, call.state.draining).body(anthropic=True), "error")
                 return
             for event in open_blocks.feed(b.step(out)):
                 yield event
-            if out.finished:
-                break
-            out = await stream.__anext__()
-            call.observe(out)
         for event in open_blocks.close():
             yield event
         status = call.finish = b.finish_reason(out.finish_reason)

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +122,33 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, stat
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+Stream = AsyncGenerator[RequestOutput, None]
+
+
+async def outputs(call: Call, first: RequestOutput, stream: Stream) -> AsyncIterator[RequestOutput]:
+    """The call's outputs from ``first`` until the last (each one after ``first`` observed)."""
+    out = first
+    yield out
+    while not out.finished:
+        out = await stream.__anext__()
+        call.observe(out)
+        yield out
+
+
+async def serve_call(body: ChatCompletionRequest, http: Request, state: ServerState, request_id: str,
+                     events: Callable[[Call, RequestOutput, Stream], AsyncIterator[str]],
+                     whole: Callable[[Call, RequestOutput], dict[str, Any]]) -> Any:
+    """Another API's request (Responses, Anthropic's Messages) run as the chat request ``body``: its
+    ``events`` when it streams, else ``whole`` of the last output; 499 when the client left first."""
+    opened = await open_call(body, http, state, request_id)
+    if opened is None:
+        return JSONResponse({}, status_code=499)
+    call, first, stream = opened
+    if body.stream:
+        return StreamingResponse(events(call, first, stream), media_type="text/event-stream", headers=SSE_HEADERS)
+    last = await until_done_or_disconnect(http, run_to_end(call, first, stream), stream)
+    return JSONResponse({}, status_code=499) if last is GONE else JSONResponse(whole(call, last))
 
 
 async def open_call(req: ChatCompletionRequest, http: Request, state: ServerState,

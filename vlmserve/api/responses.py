@@ -16,18 +16,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
-from vlmserve.api.chat import (
-    GONE,
-    SSE_HEADERS,
-    Call,
-    engine_fault,
-    open_call,
-    run_to_end,
-    sse_event,
-    until_done_or_disconnect,
-)
+from vlmserve.api.chat import Call, Stream, engine_fault, outputs, serve_call, sse_event
 from vlmserve.api.responses_input import ResponsesRequest, to_chat_request
 from vlmserve.api.state import ServerState
 from vlmserve.frontend.output import RequestOutput
@@ -35,18 +25,16 @@ from vlmserve.frontend.output import RequestOutput
 
 async def create_response(req: ResponsesRequest, http: Request, state: ServerState) -> Any:
     shape = _Shape(req, f"resp_{uuid.uuid4().hex}")
-    opened = await open_call(to_chat_request(req), http, state, shape.id)
-    if opened is None:
-        return JSONResponse({}, status_code=499)
-    call, first, stream = opened
-    shape.model = call.served.name
-    if req.stream:
-        return StreamingResponse(_events(call, first, stream, shape), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
-    done = await until_done_or_disconnect(http, run_to_end(call, first, stream), stream)
-    if done is GONE:
-        return JSONResponse({}, status_code=499)
-    return JSONResponse(shape.response(call, _status(call.finish), shape.items(call)))
+
+    def events(call: Call, first: RequestOutput, stream: Stream) -> AsyncIterator[str]:
+        shape.model = call.served.name
+        return _events(call, first, stream, shape)
+
+    def whole(call: Call, _: RequestOutput) -> dict[str, Any]:
+        shape.model = call.served.name
+        return shape.response(call, _status(call.finish), shape.items(call))
+
+    return await serve_call(to_chat_request(req), http, state, shape.id, events, whole)
 
 
 def _status(finish: str) -> str:
@@ -181,20 +169,15 @@ async def _events(call: Call, first: RequestOutput, stream: AsyncGenerator[Reque
         yield ev.event("response.created", response=shape.response(None, "in_progress", []))
         yield ev.event("response.in_progress", response=shape.response(None, "in_progress", []))
         out = first
-        while True:
+        async for out in outputs(call, first, stream):
             if out.finish_reason == "error":
                 status = "error"
                 error = engine_fault(b.id, out.error, call.state.draining)
                 yield ev.event("response.failed", response=shape.response(
                     call, "failed", ev.items, {"code": error.code or "server_error", "message": error.message}))
                 return
-            delta = b.step(out)
-            for chunk in _delta_events(ev, delta):
+            for chunk in _delta_events(ev, b.step(out)):
                 yield chunk
-            if out.finished:
-                break
-            out = await stream.__anext__()
-            call.observe(out)
         for chunk in ev.close():
             yield chunk
         status = call.finish = b.finish_reason(out.finish_reason)
