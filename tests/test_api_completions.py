@@ -66,6 +66,29 @@ def test_streamed_choices_join_to_the_whole_answer(client, gemma4_micro):
     assert usage.completion_tokens == 16
 
 
+def test_n_choices_per_prompt_share_its_prefill_and_sample_with_seed_plus_j(server, client, gemma4_micro):
+    """Three prompts, two choices each (index prompt * 2 + j): choice j is the prompt alone with seed + j;
+    the prompts are counted once each in usage; streamed, the choices join to the same texts."""
+    model, prompts = gemma4_micro.name, ["A red", "Two blue", "Three"]
+    sampled = {"temperature": 1.0, "max_tokens": 6, "seed": 7, "extra_body": {"ignore_eos": True}}
+    reply = client.completions.create(model=model, prompt=prompts, n=2, **sampled)
+    assert [c.index for c in reply.choices] == list(range(6))
+    alone = [client.completions.create(model=model, prompt=p, **{**sampled, "seed": 7 + j}).choices[0].text
+             for p in prompts for j in range(2)]
+    assert [c.text for c in reply.choices] == alone and len(set(alone)) > 3
+    assert reply.usage.prompt_tokens == sum(len(_ids(server, model, p)) for p in prompts)
+    assert reply.usage.completion_tokens == 6 * 6
+    texts = [""] * 6
+    for chunk in client.completions.create(model=model, prompt=prompts, n=2, stream=True, **sampled):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == alone
+    scored = client.completions.create(model=model, prompt=prompts[0], n=2, echo=True, logprobs=1, max_tokens=1,
+                                       temperature=0)
+    first, second = (c.logprobs for c in scored.choices)
+    assert first.token_logprobs[0] is None and first.token_logprobs[:-1] == second.token_logprobs[:-1]
+
+
 def test_echo_and_max_tokens_zero(client, gemma4_micro):
     model, text = gemma4_micro.name, "Echo this prompt"
     echoed = client.completions.create(model=model, prompt=text, echo=True, **GREEDY).choices[0].text
@@ -111,7 +134,7 @@ def test_what_lm_evaluation_harness_sends_to_score_likelihoods(server, client, g
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 2}, "n"),
+    ({"n": 3}, "n"),  # over the batch of 2
     ({"best_of": 3}, "best_of"),
     ({"suffix": "end"}, "suffix"),
     ({"max_tokens": 0}, "max_tokens"),

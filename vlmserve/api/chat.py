@@ -175,7 +175,7 @@ async def open_call(req: ChatCompletionRequest, http: Request, state: ServerStat
             raise bad_request(f"{wanted[1]}: {exc}", wanted[1], "invalid_grammar") from None
     builder = ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools, opens_reasoning)
     call = Call(state, served, req, builder, time.perf_counter())
-    forks = [(f"{request_id}-{i}", _fork_params(params, i)) for i in range(1, _choices(req, engine.config.max_batch_size))]
+    forks = [(f"{request_id}-{i}", fork_params(params, i)) for i in range(1, _choices(req, engine.config.max_batch_size))]
     stream = engine.generate(request_id, prompt_factory(chat, state.media, request_id), params, forks)
     call.forks = [Fork(ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools,
                                      opens_reasoning, i), engine.follow(fork_id, p))
@@ -196,7 +196,7 @@ def _choices(req: ChatCompletionRequest, max_batch: int) -> int:
     return n
 
 
-def _fork_params(params: SamplingParams, i: int) -> SamplingParams:
+def fork_params(params: SamplingParams, i: int) -> SamplingParams:
     """Choice ``i``'s sampling: the request's, with seed + i when it has a seed (as vLLM does)."""
     return params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**64)
 

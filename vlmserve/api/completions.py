@@ -10,7 +10,10 @@ with ``echo``, for the prompt's own tokens first (each given those before it, th
 what lm-evaluation-harness's ``local-completions`` scores likelihoods with; such a prompt is
 prefilled alone, by tokens, and reuses no cached prefix).
 
-Refused with a 400, never ignored: ``n``/``best_of`` over 1, ``suffix``, and a
+``n`` choices per prompt (index ``prompt * n + j``) are the engine's forks: the prompt is prefilled
+once, and choice j samples as a request with seed + j would.
+
+Refused with a 400, never ignored: ``best_of`` over 1, ``suffix``, and a
 prompt holding the model's image, video or audio placeholder (no pixels come with it). Other special
 tokens are the prompt's own business: a raw completion prompt writes its chat turns itself.
 """
@@ -22,7 +25,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from functools import partial
 from typing import Any
 
@@ -30,7 +33,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
-from vlmserve.api.chat import REFUSALS, SSE_HEADERS, disconnected, engine_fault, refusal, sse_event
+from vlmserve.api.chat import REFUSALS, SSE_HEADERS, disconnected, engine_fault, fork_params, refusal, sse_event
 from vlmserve.api.errors import APIError, bad_request
 from vlmserve.api.messages import sampling_params
 from vlmserve.api.schemas import SamplingFields
@@ -67,6 +70,7 @@ class Choice:
     top_logprobs: list[dict[str, float] | None] = dataclasses.field(default_factory=list)
     text_offset: list[int] = dataclasses.field(default_factory=list)
     completion_tokens: int = 0
+    fork: bool = False  # n > 1: a further choice of the prompt before it (its prompt is counted once)
 
 
 async def create_completion(req: CompletionRequest, http: Request, state: ServerState) -> Any:
@@ -84,7 +88,9 @@ async def create_completion(req: CompletionRequest, http: Request, state: Server
         if req.echo else [""] * len(prompts)
     # echo: the text starts with the prompt's; max_tokens 0 (with echo): the prompt alone, no generation
     # unless its logprobs are asked (then one token is generated for them, and dropped)
-    choices = [Choice(i, ids, text, text) for i, (ids, text) in enumerate(zip(prompts, texts))]
+    n = _choices(req, engine.config.max_batch_size)
+    choices = [Choice(i * n + j, ids, text, text, fork=j > 0) for i, (ids, text) in enumerate(zip(prompts, texts))
+               for j in range(n)]
     generate = req.max_tokens != 0 or params.prompt_logprobs is not None
     for choice in choices if req.max_tokens == 0 else ():
         choice.finish_reason = "length"
@@ -111,9 +117,8 @@ async def create_completion(req: CompletionRequest, http: Request, state: Server
 
 
 def _refuse_unsupported(req: CompletionRequest) -> None:
-    for name, value in (("n", req.n), ("best_of", req.best_of)):
-        if value not in (None, 1):
-            raise bad_request(f"{name}: only 1 is supported", name, "unsupported_value")
+    if req.best_of not in (None, 1):
+        raise bad_request("best_of: only 1 is supported", "best_of", "unsupported_value")
     if req.suffix:
         raise bad_request("suffix: insertion is not supported", "suffix", "unsupported_value")
     if req.max_tokens == 0 and not req.echo:
@@ -167,18 +172,33 @@ def _params(req: CompletionRequest, state: ServerState, vocab: int) -> SamplingP
     return params
 
 
+def _choices(req: CompletionRequest, max_batch: int) -> int:
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= max_batch:
+        raise bad_request(f"n: {n} choices per prompt; this server takes 1 to {max_batch} (each is a row of its "
+                          f"batch of {max_batch})", "n", "invalid_value")
+    return n
+
+
 async def _run_all(request_id: str, served: ServedModel, choices: list[Choice], params: SamplingParams,
                    state: ServerState, updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None,
                    ) -> None:
-    """Every prompt through the engine, as many at once as the batch takes; the first error ends all."""
-    room = asyncio.Semaphore(served.engine.config.max_batch_size)
+    """Every prompt through the engine (with its further choices, n > 1), as many at once as the batch
+    takes; the first error ends all."""
+    groups: list[list[Choice]] = []
+    for choice in choices:
+        if choice.fork:
+            groups[-1].append(choice)
+        else:
+            groups.append([choice])
+    room = asyncio.Semaphore(max(1, served.engine.config.max_batch_size // len(groups[0])))
     tokenizer = served.engine.tokenizer
 
-    async def one(choice: Choice) -> None:
+    async def one(group: list[Choice]) -> None:
         async with room:
-            await _run_one(f"{request_id}-{choice.index}", served, choice, params, tokenizer, updates)
+            await _run_group(f"{request_id}-{group[0].index}", served, group, params, tokenizer, updates)
 
-    tasks = [asyncio.ensure_future(one(c)) for c in choices]
+    tasks = [asyncio.ensure_future(one(g)) for g in groups]
     try:
         await asyncio.gather(*tasks)
     finally:
@@ -187,16 +207,36 @@ async def _run_all(request_id: str, served: ServedModel, choices: list[Choice], 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _run_one(request_id: str, served: ServedModel, choice: Choice, params: SamplingParams, tokenizer: Any,
-                   updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None) -> None:
+async def _run_group(request_id: str, served: ServedModel, group: list[Choice], params: SamplingParams,
+                     tokenizer: Any, updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None) -> None:
+    """One prompt's choices: the first is the request, the others its forks, read once it has begun."""
     engine = served.engine
-    stream = engine.generate(request_id, PromptInputs(choice.prompt_ids), params)
+    forks = [(f"{request_id}-{j}", fork_params(params, j)) for j in range(1, len(group))]
+    begun = asyncio.Event()
+    stream = engine.generate(request_id, PromptInputs(group[0].prompt_ids), params, forks)
+
+    async def fork(choice: Choice, fork_id: str, sampling: SamplingParams) -> None:
+        await begun.wait()  # its outputs exist once the prompt reached the engine
+        await _run_one(fork_id, choice, engine.follow(fork_id, sampling), sampling, tokenizer, updates, ())
+
+    await asyncio.gather(_run_one(request_id, group[0], stream, params, tokenizer, updates, group[1:], begun),
+                         *(fork(c, fid, p) for c, (fid, p) in zip(group[1:], forks)))
+
+
+async def _run_one(request_id: str, choice: Choice, stream: AsyncGenerator[RequestOutput, None],
+                   params: SamplingParams, tokenizer: Any,
+                   updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None,
+                   forks: list[Choice] | tuple[()], begun: asyncio.Event | None = None) -> None:
+    """One choice's outputs; the prompt's logprobs (with its first) go to its forks too."""
     try:
         async for out in _checked(stream, request_id):
+            if begun is not None:
+                begun.set()
             if out.prompt_logprobs is not None:
-                scored = _prompt_logprobs(choice, out.prompt_logprobs, tokenizer)
-                if updates is not None:
-                    await updates.put((choice, choice.prompt_text, scored))
+                for each in (choice, *forks):
+                    scored = _prompt_logprobs(each, out.prompt_logprobs, tokenizer)
+                    if updates is not None:
+                        await updates.put((each, each.prompt_text, scored))
             if choice.finish_reason is not None:  # max_tokens 0: the token made for the prompt's logprobs
                 if updates is not None and out.finished:
                     await updates.put((choice, "", None))
@@ -210,6 +250,8 @@ async def _run_one(request_id: str, served: ServedModel, choice: Choice, params:
             if updates is not None and (delta or logprobs or out.finished):
                 await updates.put((choice, delta, logprobs))
     finally:
+        if begun is not None:
+            begun.set()  # the forks find their outputs, or none when the prompt never reached the engine
         await stream.aclose()
 
 
@@ -291,7 +333,7 @@ def _choice_logprobs(choice: Choice) -> dict[str, Any]:
 
 
 def _usage(choices: list[Choice]) -> dict[str, int]:
-    prompt = sum(len(c.prompt_ids) for c in choices)
+    prompt = sum(len(c.prompt_ids) for c in choices if not c.fork)  # n > 1: each prompt prefilled once
     completion = sum(c.completion_tokens for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
