@@ -103,3 +103,16 @@ def test_a_client_that_leaves_mid_stream_frees_every_choices_slot(server, model_
 def _running(server) -> float:
     metrics = httpx.get(server.url + "/metrics", timeout=10).text
     return float(re.search(r"^vlmserve_running_requests\{.*\} (\S+)$", metrics, re.M).group(1))
+
+
+def test_each_choice_keeps_its_own_grammar(demo_client):
+    """Every fork gets its own copy of the response_format matcher: each sampled choice is valid JSON."""
+    schema = {"type": "object", "properties": {"shape": {"enum": ["circle", "square", "triangle", "star"]},
+                                               "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["shape", "count"], "additionalProperties": False}
+    r = demo_client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, messages=_image_message("Describe one shape."), n=3, temperature=1.0, seed=3,
+        max_tokens=60, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    for choice in r.choices:
+        reply = json.loads(choice.message.content)
+        assert set(reply) == {"shape", "count"} and reply["shape"] in schema["properties"]["shape"]["enum"], reply
