@@ -33,9 +33,13 @@ class FakeAdapter:
     num_vision_blocks: int = 0
     reuses_prefix: bool = True
     vision_cache: bool = False
+    mm_prefix_exact: bool = False
 
     def can_chunk(self, prompt: PromptInputs) -> bool:
         return not prompt.has_images
+
+    def media_token_ids(self) -> frozenset[int]:
+        return frozenset()
 
     def can_batch(self, prompt: PromptInputs) -> bool:
         return True

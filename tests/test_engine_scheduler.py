@@ -36,13 +36,15 @@ def _scheduler(*reqs: Request, batch: int = 8, budget: int = 512, caches: object
 class FakeCaches:
     """The caches' bookkeeping as the scheduler asks it: a text prefix store and a set of image keys."""
 
-    prefix_enabled = True
-
     def __init__(self, prefixes: dict[tuple[int, ...], str] | None = None, images: set[str] | None = None) -> None:
         self.prefixes = prefixes or {}
         self.images = images or set()
 
-    def lookup_prefix(self, tokens: list[int]) -> tuple[object, int]:
+    def reuses(self, prompt: PromptInputs) -> bool:
+        return not prompt.has_images  # as the default: the image-keyed cache is opt-in
+
+    def lookup_prefix(self, prompt: PromptInputs) -> tuple[object, int]:
+        tokens = prompt.input_ids
         for n in range(len(tokens) - 1, 0, -1):  # at least one token is left to compute
             if tuple(tokens[:n]) in self.prefixes:
                 return self.prefixes[tuple(tokens[:n])], n

@@ -141,6 +141,12 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--vision-cache-mb", type=float, default=engine.vision_cache_bytes / 2**20,
                      help="image features kept across requests, so an image shown again skips the vision tower; 0 turns "
                           "it off")
+    srv.add_argument("--mm-prefix-cache", action="store_true", default=engine.mm_prefix_cache,
+                     help="let prompts with images reuse a cached prefix (a conversation's earlier turns), keyed by "
+                          "every image's content; only on families where it is exact (Qwen2-VL, Qwen2.5-VL), a no-op "
+                          "said at start-up elsewhere")
+    srv.add_argument("--mm-prefix-cache-gb", type=float, default=engine.mm_prefix_cache_bytes / 2**30,
+                     help="the image prefix cache's memory (least recently used entries go first)")
     srv.add_argument("--allowed-media-dir", action="append", type=Path, default=[], help="local images may come from here")
     srv.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs (public addresses only)")
     srv.add_argument("--allowed-media-domains", nargs="+", action="extend", default=[], metavar="DOMAIN",
@@ -205,8 +211,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
                                         args.keep_alive_timeout) <= 0:
         return ("--shutdown-timeout must be >= 0; --stream-stall-timeout, --kv-cache-gb, --header-timeout and "
                 "--keep-alive-timeout > 0")
-    if args.vision_cache_mb < 0:
-        return "--vision-cache-mb must be >= 0"
+    if args.vision_cache_mb < 0 or args.mm_prefix_cache_gb < 0:
+        return "--vision-cache-mb and --mm-prefix-cache-gb must be >= 0"
     template = args.chat_template
     if template is not None and "{" not in template:  # a path: a template always has a {{ or {% in it
         try:
@@ -235,6 +241,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         dtype=args.dtype, trust_remote_code=args.trust_remote_code, chat_template=template,
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
         vision_cache_bytes=int(args.vision_cache_mb * 2**20), stall_timeout_s=args.stream_stall_timeout,
+        mm_prefix_cache=args.mm_prefix_cache, mm_prefix_cache_bytes=int(args.mm_prefix_cache_gb * 2**30),
     )
     return ServeConfig(
         models=tuple(args.model), host=args.host, port=args.port, api_key=args.api_key,

@@ -3,13 +3,18 @@
 The scheduler asks them what is cached (a reused prefix at admission, which images still need the
 tower) and so decides each step's work; the runner reads and fills them as it executes the plan.
 Adding a cache means a field here, a question in ``CacheBook`` and its use in the runner.
+
+The image-keyed prefix cache (``mm_prefix``, opt-in) is a second store for prompts with images,
+keyed by ``params.prefix_key``: their tokens with each image's placeholders written as its content
+hash, so KV computed from one picture never serves another. It is on only for families where a
+restored prefix continues exactly (the adapter's ``mm_prefix_exact``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vlmserve.engine.params import PromptInputs, pixel_count
+from vlmserve.engine.params import PromptInputs, pixel_count, prefix_key
 from vlmserve.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from vlmserve.engine.vision_cache import VisionCache, VisionCacheStats
 
@@ -17,21 +22,34 @@ from vlmserve.engine.vision_cache import VisionCache, VisionCacheStats
 class EngineCaches:
     """The prefix cache (None: off) and the vision cache (None: off, or the family has none)."""
 
-    def __init__(self, prefix: PrefixCache | None, vision: VisionCache | None) -> None:
+    def __init__(self, prefix: PrefixCache | None, vision: VisionCache | None, mm_prefix: PrefixCache | None = None,
+                 media_ids: frozenset[int] = frozenset()) -> None:
         self.prefix = prefix
         self.vision = vision
+        self.mm_prefix = mm_prefix  # prompts with images (opt-in), keyed by their images' content too
+        self.media_ids = media_ids  # the model's image placeholder token ids
 
-    @property
-    def prefix_enabled(self) -> bool:
-        return self.prefix is not None
+    def _store(self, prompt: PromptInputs) -> tuple[PrefixCache | None, list[int] | None]:
+        """Where a prompt's prefix is kept, and its key there (None, None: nowhere)."""
+        store = self.mm_prefix if prompt.has_images else self.prefix
+        if store is None:
+            return None, None
+        key = prefix_key(prompt, self.media_ids)
+        return (store, key) if key is not None else (None, None)
 
-    def lookup_prefix(self, tokens: list[int]) -> tuple[Any, int]:
+    def reuses(self, prompt: PromptInputs) -> bool:
+        """Whether this prompt's prefix may be looked up and stored."""
+        return self._store(prompt)[0] is not None
+
+    def lookup_prefix(self, prompt: PromptInputs) -> tuple[Any, int]:
         """A private copy of the longest cached prefix's KV and its length, or (None, 0)."""
-        return self.prefix.lookup(tokens) if self.prefix is not None else (None, 0)
+        store, key = self._store(prompt)
+        return store.lookup(key) if store is not None and key is not None else (None, 0)
 
-    def store_prefix(self, tokens: list[int], cache: list[Any]) -> None:
-        if self.prefix is not None:
-            self.prefix.store(tokens, cache)
+    def store_prefix(self, prompt: PromptInputs, cache: list[Any]) -> None:
+        store, key = self._store(prompt)
+        if store is not None and key is not None:
+            store.store(key, cache)
 
     def uncached_images(self, prompt: PromptInputs) -> tuple[int, int]:
         """The prompt's images that need the vision tower, and their pixel values (what the tower's
@@ -41,6 +59,7 @@ class EngineCaches:
         missing = [item for item in prompt.images if item.key not in self.vision]
         return len(missing), sum(pixel_count(item.arrays) for item in missing)
 
-    def stats(self) -> tuple[PrefixCacheStats | None, VisionCacheStats | None]:
+    def stats(self) -> tuple[PrefixCacheStats | None, VisionCacheStats | None, PrefixCacheStats | None]:
         return (self.prefix.stats() if self.prefix is not None else None,
-                self.vision.stats() if self.vision is not None else None)
+                self.vision.stats() if self.vision is not None else None,
+                self.mm_prefix.stats() if self.mm_prefix is not None else None)

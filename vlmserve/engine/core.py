@@ -102,6 +102,9 @@ class EngineCore:
         keeps = self.loaded.adapter.vision_cache and config.vision_cache_bytes > 0
         self.caches.prefix = prefix
         self.caches.vision = VisionCache(config.vision_cache_bytes) if keeps else None
+        exact = config.mm_prefix_cache and self.loaded.adapter.mm_prefix_exact
+        self.caches.mm_prefix = PrefixCache(config.prefix_cache_entries, config.mm_prefix_cache_bytes) if exact else None
+        self.caches.media_ids = self.loaded.adapter.media_token_ids()
 
     def measure_kv(self, prompt: PromptInputs) -> KVBudget:
         """Measure this model's KV bytes per position on a text prompt; size the budget if unset."""
@@ -259,7 +262,7 @@ class EngineCore:
         m.running, m.waiting = self.scheduler.num_running, self.scheduler.num_waiting
         m.batch_size = sum(r.encoded and r.prefill_done for r in self.scheduler.running)
         m.kv_reserved_bytes, m.kv_budget_bytes = self.scheduler.kv_reserved_bytes, self.kv.limit_bytes
-        m.prefix, m.vision = self.caches.stats()
+        m.prefix, m.vision, m.mm_prefix = self.caches.stats()
 
     def snapshot(self) -> EngineMetrics:
         """Exact counters between steps (call on the worker); ``metrics`` may lag a step."""

@@ -25,6 +25,10 @@ class EngineConfig:
     prefix_cache: bool = True
     prefix_cache_entries: int = 32
     prefix_cache_bytes: int = 1 << 30
+    # Prompts with images reuse a cached prefix only with this on, keyed by their images' content too,
+    # and only on families where that is exact (engine/caches.py); its own store, bounded in bytes:
+    mm_prefix_cache: bool = False
+    mm_prefix_cache_bytes: int = 1 << 30
     dtype: str = DEFAULT_DTYPE  # the float weights' dtype when served (loader.serving_dtype)
     trust_remote_code: bool = False  # passed to mlx-vlm's loader (a processor with its own code)
     chat_template: str | None = None  # a Jinja chat template that replaces the model's own

@@ -107,6 +107,29 @@ class PromptInputs:
         return len(self.input_ids)
 
 
+def prefix_key(prompt: PromptInputs, media_ids: frozenset[int]) -> list[int] | None:
+    """The prompt's token ids with each image's placeholder run written as one id of its own, made
+    from the image's content hash (negative: never a real token), so that a cached prefix matches
+    only up to the first position where a token or an image differs. None where the images have no
+    hash each or their runs do not pair one to one with them."""
+    if not prompt.has_images:
+        return list(prompt.input_ids)
+    if not media_ids or len(prompt.images) != prompt.num_images:
+        return None
+    key, images, previous_media = [], iter(prompt.images), False
+    pseudo = 0
+    for token in prompt.input_ids:
+        media = token in media_ids
+        if media and not previous_media:
+            item = next(images, None)
+            if item is None:
+                return None
+            pseudo = -1 - int(item.key[:15], 16)
+        key.append(pseudo if media else token)
+        previous_media = media
+    return key if next(images, None) is None else None
+
+
 def pixel_count(arrays: dict[str, HostArray] | dict[str, np.ndarray]) -> int:
     """How many pixel values a prompt's (or one image's) arrays hold: the vision tower's work."""
     pixels = arrays.get("pixel_values")

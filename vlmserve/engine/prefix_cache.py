@@ -1,8 +1,10 @@
-"""[worker] Prefix cache for text prompts: reuse the KV of the longest cached token prefix.
+"""[worker] Prefix cache: reuse the KV of the longest cached token prefix.
 
-Never consulted for prompts with pixel_values: the same token ids with a different
-image must not share KV. The engine enforces that by asking ``prompt.has_images``,
-not the model config's image token (Gemma 4 does not set ``image_token_index``).
+The text store is never consulted for prompts with pixel_values: the same token ids with a
+different image must not share KV (the engine asks ``prompt.has_images``, not the model config's
+image token: Gemma 4 sets no ``image_token_index``). Prompts with images go to a second store of
+this class only when the opt-in image-keyed cache is on, under a key that holds every image's
+content hash (``engine/caches.py``).
 """
 
 from __future__ import annotations

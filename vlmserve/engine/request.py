@@ -65,6 +65,7 @@ class EngineMetrics:
     kv_budget_bytes: int | None = None
     prefix: PrefixCacheStats | None = None
     vision: VisionCacheStats | None = None
+    mm_prefix: PrefixCacheStats | None = None  # the image-keyed prefix cache (opt-in)
 
 
 @dataclass(slots=True, frozen=True)

@@ -114,7 +114,6 @@ class ModelRunner:
     # -- enter and encode -----------------------------------------------------------
 
     def _enter(self, new: NewRequest) -> None:
-        assert not (new.prompt.has_images and new.num_cached), "image prompts never reuse KV"
         input_ids = mx.array(new.prompt.input_ids, dtype=mx.int32)[None]
         cache = new.prefix if new.prefix is not None else self.adapter.make_cache()
         row = self.prompts[new.request_id] = PromptRow(new.prompt, new.params, input_ids, cache, forks=dict(new.forks))
@@ -226,7 +225,7 @@ class ModelRunner:
         ids = [chunk.request_id, *chunk.forks]
         out.samples.update(zip(ids, firsts))
         if chunk.store_prefix:
-            self.caches.store_prefix(row.prompt.input_ids, row.cache)
+            self.caches.store_prefix(row.prompt, row.cache)
         rows = 1 + len(forks)  # n > 1: the prompt's KV and state copied into a row per fork
         row_state = {k: mx.concatenate([v] * rows) if rows > 1 else v for k, v in embedded.row_state.items()}
         self._join(ids, [type(c).merge([c] * rows) for c in row.cache], row_state, sampling, firsts)
@@ -275,7 +274,7 @@ class ModelRunner:
         out.prefill_batches += 1
         for i, chunk in enumerate(chunks):
             if chunk.store_prefix:  # a row of the batch serves a later prompt as if it had been alone
-                self.caches.store_prefix(rows[i].prompt.input_ids, [c.extract(request_ids.index(chunk.request_id))
+                self.caches.store_prefix(rows[i].prompt, [c.extract(request_ids.index(chunk.request_id))
                                                                     for c in cache])
         self._join(request_ids, cache, row_state, sampling, firsts)
 

@@ -50,10 +50,9 @@ class SchedulerConfig:
 class CacheBook(Protocol):
     """What the scheduler asks the caches (engine/caches.py): it decides, they keep the arrays."""
 
-    @property
-    def prefix_enabled(self) -> bool: ...
+    def reuses(self, prompt: PromptInputs) -> bool: ...
 
-    def lookup_prefix(self, tokens: list[int]) -> tuple[Any, int]: ...
+    def lookup_prefix(self, prompt: PromptInputs) -> tuple[Any, int]: ...
 
     def uncached_images(self, prompt: PromptInputs) -> tuple[int, int]: ...
 
@@ -193,16 +192,17 @@ class Scheduler:
     def _enter(self, req: Request) -> NewRequest:
         prefix, cached = (None, 0)
         if self._prefix_cacheable(req) and self.caches is not None:
-            prefix, cached = self.caches.lookup_prefix(req.prompt.input_ids)
+            prefix, cached = self.caches.lookup_prefix(req.prompt)
         req.num_computed_tokens = req.num_cached_tokens = cached
         forks = tuple((f.request_id, f.params) for f in req.forks)
         return NewRequest(req.request_id, req.prompt, req.params, prefix, cached, forks)
 
     def _prefix_cacheable(self, req: Request) -> bool:
-        # Never reuse KV for a prompt with pixel_values: same tokens, different image.
-        enabled = self.caches is not None and self.caches.prefix_enabled
+        # A prompt with pixel_values reuses KV only through the opt-in image-keyed cache, whose key
+        # holds every image's content hash: same tokens, different image, no match (caches.py).
+        enabled = self.caches is not None and self.caches.reuses(req.prompt)
         scored = req.params.prompt_logprobs is not None  # every position's logits are computed: none reused
-        return enabled and self.config.reuses_prefix and not req.prompt.has_images and not scored
+        return enabled and self.config.reuses_prefix and not scored
 
     def _plan_encode(self, budgets: _Budgets) -> tuple[list[EncodeChunk], float]:
         """Image prompts to embed this step, in admission order: all of those the step is not bounded

@@ -149,6 +149,10 @@ class AsyncEngine:
         log.info("model %s: a prompt token costs %.2f ms, a decode step %.1f ms: %d prompt tokens per step while "
                  "requests decode", self.name, costs.prompt_token_s * 1e3, costs.decode_step_s * 1e3,
                  costs.stream_tokens())
+        if self.config.mm_prefix_cache and not self.loaded.adapter.mm_prefix_exact:
+            log.info("model %s (%s): --mm-prefix-cache is off for this family: reusing an image prompt's cached "
+                     "prefix is not proven exact here (Qwen2-VL and Qwen2.5-VL are)", self.name,
+                     self.loaded.model_type)
 
     def _load(self) -> LoadedModel:
         self.worker.assert_on_worker()

@@ -68,6 +68,18 @@ class ModelAdapter:
         self.model = model
         self.language_model = model.language_model
 
+    @property
+    def mm_prefix_exact(self) -> bool:
+        """Does a restored prefix of an image prompt (the opt-in image-keyed cache) continue exactly as
+        a whole prefill would? Only where tested: off by default."""
+        return False
+
+    def media_token_ids(self) -> frozenset[int]:
+        """The image (and video) placeholder token ids the model's config names."""
+        config = self.model.config
+        ids = {getattr(config, name, None) for name in ("image_token_id", "image_token_index", "video_token_id")}
+        return frozenset(i for i in ids if isinstance(i, int))
+
     def make_cache(self) -> list[Any]:
         """One request's KV cache (mlx-vlm's fallback where the model has no ``make_cache``)."""
         return make_prompt_cache(self.language_model)

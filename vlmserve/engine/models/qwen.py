@@ -35,6 +35,13 @@ class MRoPEAdapter(ModelAdapter):
             return None  # Qwen3-VL's DeepStack reads blocks before the last (Qwen3.5 turns it off)
         return tower, "blocks"
 
+    @property
+    def mm_prefix_exact(self) -> bool:
+        # Plain KV caches, image tokens causal, and every chunk's M-RoPE positions from the whole
+        # prompt's grids (tested against whole prefills); not Qwen3.5, whose recurrent layers keep
+        # state a prefix cannot be cut from.
+        return str(getattr(self.model.config, "model_type", "")) in ("qwen2_vl", "qwen2_5_vl")
+
     def row_state(self, features: dict[str, Any]) -> dict[str, mx.array]:
         deltas = features.get("rope_deltas")
         if deltas is None:  # a prompt whose positions are plain token counts

@@ -1,0 +1,97 @@
+"""The opt-in image-keyed prefix cache (issue 33, first families) on the real worker and real MLX.
+
+A conversation about a picture reuses the KV of its earlier turns only with ``mm_prefix_cache`` on,
+only where the key (tokens, each image's placeholders written as its content hash) matches, and
+the answer is the one a cold prefill gives, token for token. Off (the default), an image prompt
+never reuses KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from conftest import running_engine, scene
+
+from vlmserve.engine.params import SamplingParams
+from vlmserve.testing import build_model
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+RED, BLUE = scene("circle", (220, 30, 30)), scene("square", (30, 60, 220))
+
+
+def _turns(answer: str, image_first: bool = True) -> list[dict[str, Any]]:
+    first = [{"type": "image"}, {"type": "text", "text": "What is this?"}]
+    return [{"role": "user", "content": first if image_first else first[::-1]},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": [{"type": "text", "text": "And what colour is it?"}]}]
+
+
+async def _run(engine, rid: str, messages: list[dict[str, Any]], images) -> tuple[list[int], int]:
+    """The reply's tokens, and how many prompt tokens came from the cache (negated: none, and the
+    prompt's length when nothing was cached, so that the first turn's length is known)."""
+    tokens, cached, length = [], 0, 0
+    async for out in engine.generate_chat(rid, messages, images, None, GREEDY):
+        tokens += out.token_ids
+        cached, length = out.num_cached_tokens, out.num_prompt_tokens
+    return tokens, cached if cached else -length
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl"])
+def test_a_later_turn_reuses_the_picture_and_answers_as_a_cold_prefill(arch):
+    model = build_model(arch, "micro")
+    first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+
+    async def scenario(mm: bool):
+        async with running_engine(model, mm_prefix_cache=mm) as engine:
+            answer, cached_first = await _run(engine, "t1", first, [RED])
+            text = engine.tokenizer.decode(answer, skip_special_tokens=True)
+            second, cached = await _run(engine, "t2", _turns(text), [RED])
+            other, cached_other = await _run(engine, "t3", _turns(text), [BLUE])  # same words, another picture
+            prompt = await engine.preprocess(lambda p: p.build(_turns(text), [BLUE], None))
+            media = engine.loaded.adapter.media_token_ids()
+            before = next(i for i, t in enumerate(prompt.input_ids) if t in media)  # the text before the picture
+            stats = await engine.stats()
+            return second, cached, other, (cached_other, before), cached_first, stats
+
+    second, cached, other, cached_other, cached_first, stats = asyncio.run(scenario(True))
+    cold_second, cold_cached, cold_other, _, _, cold_stats = asyncio.run(scenario(False))
+    assert second == cold_second and other == cold_other  # exact: what a whole prefill gives
+    # the whole first prompt, the picture included (its last token may merge with the reply's text)
+    assert -cached_first - 1 <= cached <= -cached_first
+    assert 0 < cached_other[0] <= cached_other[1]  # only the text before the picture: another image never matches
+    assert cold_cached < 0 and cold_stats.mm_prefix is None and stats.mm_prefix.hits >= 1
+
+
+def test_families_where_reuse_is_not_proven_exact_keep_the_default(gemma4_micro):
+    async def scenario():
+        async with running_engine(gemma4_micro, mm_prefix_cache=True) as engine:
+            await _run(engine, "a", _turns("A red circle."), [RED])
+            _, cached = await _run(engine, "b", _turns("A red circle."), [RED])
+            return cached, (await engine.stats()).mm_prefix
+
+    cached, store = asyncio.run(scenario())
+    assert cached < 0 and store is None
+
+
+def test_the_flag_through_the_server_and_the_openai_client(tmp_path):
+    """``vlmserve serve --mm-prefix-cache``: the second turn's usage says what came from the cache."""
+    import openai
+    from server_utils import image_data_url, start_server
+
+    server = start_server(["--model", str(build_model("qwen2_5_vl", "micro")), "--mm-prefix-cache"],
+                          tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        asked = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_data_url(RED)}},
+                                              {"type": "text", "text": "What is this?"}]}]
+        first = client.chat.completions.create(model=model, messages=asked, max_tokens=4, temperature=0)
+        later = client.chat.completions.create(model=model, max_tokens=4, temperature=0, messages=[
+            *asked, {"role": "assistant", "content": "A circle."},
+            {"role": "user", "content": "And its colour?"}])
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert later.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    finally:
+        server.stop()
