@@ -143,8 +143,8 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
                           "it off")
     srv.add_argument("--mm-prefix-cache", action="store_true", default=engine.mm_prefix_cache,
                      help="let prompts with images reuse a cached prefix (a conversation's earlier turns), keyed by "
-                          "every image's content; only on families where it is exact (Qwen2-VL, Qwen2.5-VL), a no-op "
-                          "said at start-up elsewhere")
+                          "every image's content; only on families where it is exact (Qwen2/2.5/3-VL, Gemma 3/4, "
+                          "LLaVA), a no-op said at start-up elsewhere")
     srv.add_argument("--mm-prefix-cache-gb", type=float, default=engine.mm_prefix_cache_bytes / 2**30,
                      help="the image prefix cache's memory (least recently used entries go first)")
     srv.add_argument("--allowed-media-dir", action="append", type=Path, default=[], help="local images may come from here")

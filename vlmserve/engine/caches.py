@@ -23,16 +23,17 @@ class EngineCaches:
     """The prefix cache (None: off) and the vision cache (None: off, or the family has none)."""
 
     def __init__(self, prefix: PrefixCache | None, vision: VisionCache | None, mm_prefix: PrefixCache | None = None,
-                 media_ids: frozenset[int] = frozenset()) -> None:
+                 media_ids: frozenset[int] = frozenset(), mm_limit: int | None = None) -> None:
         self.prefix = prefix
         self.vision = vision
         self.mm_prefix = mm_prefix  # prompts with images (opt-in), keyed by their images' content too
         self.media_ids = media_ids  # the model's image placeholder token ids
+        self.mm_limit = mm_limit  # the longest image prompt reused (the adapter's mm_prefix_limit)
 
     def _store(self, prompt: PromptInputs) -> tuple[PrefixCache | None, list[int] | None]:
         """Where a prompt's prefix is kept, and its key there (None, None: nowhere)."""
         store = self.mm_prefix if prompt.has_images else self.prefix
-        if store is None:
+        if store is None or (prompt.has_images and self.mm_limit is not None and len(prompt) > self.mm_limit):
             return None, None
         key = prefix_key(prompt, self.media_ids)
         return (store, key) if key is not None else (None, None)

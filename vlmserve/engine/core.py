@@ -105,6 +105,7 @@ class EngineCore:
         exact = config.mm_prefix_cache and self.loaded.adapter.mm_prefix_exact
         self.caches.mm_prefix = PrefixCache(config.prefix_cache_entries, config.mm_prefix_cache_bytes) if exact else None
         self.caches.media_ids = self.loaded.adapter.media_token_ids()
+        self.caches.mm_limit = self.loaded.adapter.mm_prefix_limit
 
     def measure_kv(self, prompt: PromptInputs) -> KVBudget:
         """Measure this model's KV bytes per position on a text prompt; size the budget if unset."""

@@ -151,7 +151,7 @@ class AsyncEngine:
                  costs.stream_tokens())
         if self.config.mm_prefix_cache and not self.loaded.adapter.mm_prefix_exact:
             log.info("model %s (%s): --mm-prefix-cache is off for this family: reusing an image prompt's cached "
-                     "prefix is not proven exact here (Qwen2-VL and Qwen2.5-VL are)", self.name,
+                     "prefix is not proven exact here", self.name,
                      self.loaded.model_type)
 
     def _load(self) -> LoadedModel:

@@ -71,8 +71,15 @@ class ModelAdapter:
     @property
     def mm_prefix_exact(self) -> bool:
         """Does a restored prefix of an image prompt (the opt-in image-keyed cache) continue exactly as
-        a whole prefill would? Only where tested: off by default."""
+        a whole prefill would? Only where tested (``tests/test_engine_mm_prefix.py``): off by default."""
         return False
+
+    @property
+    def mm_prefix_limit(self) -> int | None:
+        """The longest image prompt whose prefix may be reused (None: any); sliding-window layers keep
+        only their window, so beyond it a restored prefix is not what a whole prefill computes."""
+        window = getattr(getattr(self.model.config, "text_config", None), "sliding_window", None)
+        return int(window) if isinstance(window, int) else None
 
     def media_token_ids(self) -> frozenset[int]:
         """The image (and video) placeholder token ids the model's config names."""

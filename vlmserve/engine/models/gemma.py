@@ -22,6 +22,12 @@ class Gemma3Adapter(ModelAdapter):
     chunk_images: ClassVar[bool] = False
     vision_cache: ClassVar[bool] = True
 
+    @property
+    def mm_prefix_exact(self) -> bool:
+        # An image span attends both ways, but a cached prefix always ends before a span or after it
+        # (the key differs from a span's first token on), and within the sliding window (mm_prefix_limit)
+        return True
+
     def encode_image(self, arrays: dict[str, mx.array]) -> mx.array:
         # As mlx-vlm's Gemma 3 get_input_embeddings runs its tower: [1, tokens, hidden]
         dtype = self.language_model.model.embed_tokens(mx.zeros((1, 1), dtype=mx.int32)).dtype
@@ -42,6 +48,10 @@ class Gemma4Adapter(ModelAdapter):
     tool_format: ClassVar[str | None] = "gemma4"
     batch_embed: ClassVar[bool] = True
     vision_cache: ClassVar[bool] = True
+
+    @property
+    def mm_prefix_exact(self) -> bool:
+        return True  # as Gemma 3's
 
     def encode_image(self, arrays: dict[str, mx.array]) -> mx.array:
         pixels = arrays["pixel_values"]

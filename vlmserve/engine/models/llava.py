@@ -18,6 +18,10 @@ class LlavaAdapter(ModelAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("llava",)
     vision_cache: ClassVar[bool] = True
 
+    @property
+    def mm_prefix_exact(self) -> bool:
+        return True  # causal image tokens, plain KV
+
     def encode_image(self, arrays: dict[str, mx.array]) -> mx.array:
         # As mlx-vlm's LLaVA get_input_embeddings runs its tower: [1, tokens, hidden]
         model = self.model

@@ -40,7 +40,7 @@ class MRoPEAdapter(ModelAdapter):
         # Plain KV caches, image tokens causal, and every chunk's M-RoPE positions from the whole
         # prompt's grids (tested against whole prefills); not Qwen3.5, whose recurrent layers keep
         # state a prefix cannot be cut from.
-        return str(getattr(self.model.config, "model_type", "")) in ("qwen2_vl", "qwen2_5_vl")
+        return str(getattr(self.model.config, "model_type", "")) in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
     def row_state(self, features: dict[str, Any]) -> dict[str, mx.array]:
         deltas = features.get("rope_deltas")
