@@ -17,7 +17,7 @@ is always a miss. Around each turn (c=1) or wave (c=4) it reads vlmserve's /metr
 ``vlmserve_vision_seconds_total`` and of the cache's hits and misses. Writes ``vision_cache.json``
 and ``vision_cache.md`` to DIR (default benchmarks/results/vision-cache-DTYPE) and the plot to
 ``benchmarks/vision_cache_ttft.png``. ``--servers mlx_vlm_apc`` adds mlx_vlm.server with its prefix
-cache (APC) on.
+cache (APC) on, ``mm`` vlmserve with its image-keyed prefix cache (``--mm-prefix-cache``) on.
 """
 
 from __future__ import annotations
@@ -198,7 +198,8 @@ def bench_server(spec: ServerSpec, port: int, model: Path, args: argparse.Namesp
 def specs(model: Path, port: int) -> dict[str, ServerSpec]:
     vlmserve, mlx_vlm = server_specs(model, port, MAX_BATCH)
     off = replace(vlmserve, label="vlmserve cache off", argv=[*vlmserve.argv, "--vision-cache-mb", "0"])
-    return {"on": replace(vlmserve, label="vlmserve cache on"), "off": off,
+    mm = replace(vlmserve, label="vlmserve mm prefix cache", argv=[*vlmserve.argv, "--mm-prefix-cache"])
+    return {"on": replace(vlmserve, label="vlmserve cache on"), "off": off, "mm": mm,
             "mlx_vlm": replace(mlx_vlm, label="mlx_vlm.server"), "mlx_vlm_apc": replace(mlx_vlm, label="mlx_vlm.server APC")}
 
 
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--waves", type=int, default=3, help="groups of 4 conversations at c=4")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--servers", default="on,off,mlx_vlm", help="which of on, off, mlx_vlm, mlx_vlm_apc, in this order")
+    parser.add_argument("--servers", default="on,off,mlx_vlm", help="which of on, off, mm, mlx_vlm, mlx_vlm_apc, in this order")
     parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results/vision-cache-DTYPE")
     parser.add_argument("--plot", type=Path, default=HERE / "vision_cache_ttft.png")
     parser.add_argument("--rerender", action="store_true", help="only redo the numbers per turn, table and plot")
