@@ -9,8 +9,10 @@ never reuses KV.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from conftest import running_engine, scene
@@ -110,6 +112,13 @@ def test_the_flag_through_the_server_and_the_openai_client(tmp_path):
             *asked, {"role": "assistant", "content": "A circle."},
             {"role": "user", "content": "And its colour?"}])
         assert first.usage.prompt_tokens_details.cached_tokens == 0
-        assert later.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+        reused = later.usage.prompt_tokens_details.cached_tokens
+        assert reused >= first.usage.prompt_tokens - 1
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        seen = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(vlmserve_mm_prefix_cache_\w+)\{.*\} (\S+)$",
+                                                                   metrics, re.M)}
+        assert seen["vlmserve_mm_prefix_cache_hits_total"] == 1 and seen["vlmserve_mm_prefix_cache_misses_total"] == 1
+        assert seen["vlmserve_mm_prefix_cache_hit_tokens_total"] == reused
+        assert seen["vlmserve_mm_prefix_cache_entries"] >= 1 and seen["vlmserve_mm_prefix_cache_bytes"] > 0
     finally:
         server.stop()

@@ -25,6 +25,9 @@ _GAUGES = {
     "kv_usage": ("vlmserve_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "Reserved KV cache over the budget (0-1)"),
     "vision_bytes": ("vlmserve_vision_cache_bytes", None, "Bytes of image features in the vision cache"),
     "vision_entries": ("vlmserve_vision_cache_entries", None, "Images whose features the vision cache holds"),
+    "mm_prefix_bytes": ("vlmserve_mm_prefix_cache_bytes", None, "KV bytes the image-keyed prefix cache holds"),
+    "mm_prefix_entries": ("vlmserve_mm_prefix_cache_entries", None, "Image prompts whose KV the image-keyed prefix "
+                          "cache holds"),
 }
 _COUNTERS = {
     "prefix_hits": ("vlmserve_prefix_cache_hits", "Text prompts that reused a cached prefix"),
@@ -35,6 +38,10 @@ _COUNTERS = {
     "vision_misses": ("vlmserve_vision_cache_misses", "Images encoded by the vision tower (then cached)"),
     "vision_evictions": ("vlmserve_vision_cache_evictions", "Images' features dropped to stay within the budget"),
     "vision_seconds": ("vlmserve_vision_seconds", "Seconds spent embedding image prompts (vision tower and merge)"),
+    "mm_prefix_hits": ("vlmserve_mm_prefix_cache_hits", "Image prompts that reused a cached prefix (--mm-prefix-cache)"),
+    "mm_prefix_misses": ("vlmserve_mm_prefix_cache_misses", "Image prompts that found no cached prefix"),
+    "mm_prefix_hit_tokens": ("vlmserve_mm_prefix_cache_hit_tokens", "Image prompts' tokens served from the "
+                             "image-keyed prefix cache"),
 }
 
 
@@ -46,12 +53,15 @@ def _engine_values(engine: Any) -> tuple[dict[str, float], dict[str, float]] | N
     gauges = {"waiting": m.waiting, "running": m.running, "batch_size": m.batch_size, "last_step_s": m.last_step_s,
               "in_flight": engine.num_in_flight, "kv_reserved": m.kv_reserved_bytes, "kv_budget": budget,
               "kv_usage": m.kv_reserved_bytes / budget if budget else 0.0}
-    prefix, vision = m.prefix, m.vision
-    gauges.update(vision_bytes=vision.bytes if vision else 0, vision_entries=vision.entries if vision else 0)
+    prefix, vision, mm = m.prefix, m.vision, m.mm_prefix
+    gauges.update(vision_bytes=vision.bytes if vision else 0, vision_entries=vision.entries if vision else 0,
+                  mm_prefix_bytes=mm.bytes if mm else 0, mm_prefix_entries=mm.entries if mm else 0)
     counters = {"prefix_hits": prefix.hits if prefix else 0, "prefix_misses": prefix.misses if prefix else 0,
                 "prefix_hit_tokens": prefix.hit_tokens if prefix else 0, "stalled": engine.stalled,
                 "vision_hits": vision.hits if vision else 0, "vision_misses": vision.misses if vision else 0,
-                "vision_evictions": vision.evictions if vision else 0, "vision_seconds": m.vision_seconds}
+                "vision_evictions": vision.evictions if vision else 0, "vision_seconds": m.vision_seconds,
+                "mm_prefix_hits": mm.hits if mm else 0, "mm_prefix_misses": mm.misses if mm else 0,
+                "mm_prefix_hit_tokens": mm.hit_tokens if mm else 0}
     return gauges, counters
 
 
