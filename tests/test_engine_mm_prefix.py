@@ -122,3 +122,40 @@ def test_the_flag_through_the_server_and_the_openai_client(tmp_path):
         assert seen["vlmserve_mm_prefix_cache_entries"] >= 1 and seen["vlmserve_mm_prefix_cache_bytes"] > 0
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3"])
+def test_two_chats_with_the_same_words_about_pictures_one_pixel_apart_never_share_kv(arch):
+    """Interleaved turns of two chats whose words are the same and whose pictures differ by one pixel:
+    every answer is the cold prefill's, and a chat's first turn reuses nothing past the text before
+    its picture (the other chat's turns are cached, same tokens, other image)."""
+    model = build_model(arch, "micro")
+    other = RED.copy()
+    other.putpixel((40, 40), (0, 0, 0))  # one pixel (its processed pixel values differ: checked below)
+    turns = 8
+
+    def prompt(k: int) -> list[dict[str, Any]]:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+        for i in range(1, k):
+            messages += [{"role": "assistant", "content": f"Answer number {i}."},
+                         {"role": "user", "content": [{"type": "text", "text": f"Question {i}?"}]}]
+        return messages
+
+    async def scenario(mm: bool):
+        async with running_engine(model, mm_prefix_cache=mm) as engine:
+            out = []
+            for k in range(1, turns + 1):
+                for name, picture in (("a", RED), ("b", other)):
+                    out.append(await _run(engine, f"{name}{k}", prompt(k), [picture]))
+            probe = await engine.preprocess(lambda p: p.build(prompt(1), [other], None))
+            red = await engine.preprocess(lambda p: p.build(prompt(1), [RED], None))
+            assert probe.images[0].key != red.images[0].key  # the model would see two different pictures
+            media = engine.loaded.adapter.media_token_ids()
+            return out, next(i for i, t in enumerate(probe.input_ids) if t in media)
+
+    cached, before = asyncio.run(scenario(True))
+    cold, _ = asyncio.run(scenario(False))
+    assert [tokens for tokens, _ in cached] == [tokens for tokens, _ in cold]
+    reused = [n for _, n in cached]
+    assert reused[0] < 0 and 0 < reused[1] <= before  # b's first turn: a's picture is not b's
+    assert all(n > before for n in reused[2:])  # later turns: each chat's own earlier turns, picture included
