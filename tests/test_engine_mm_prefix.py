@@ -159,3 +159,40 @@ def test_two_chats_with_the_same_words_about_pictures_one_pixel_apart_never_shar
     reused = [n for _, n in cached]
     assert reused[0] < 0 and 0 < reused[1] <= before  # b's first turn: a's picture is not b's
     assert all(n > before for n in reused[2:])  # later turns: each chat's own earlier turns, picture included
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "gemma3", "gemma4", "llava"])
+def test_four_turns_with_a_second_picture_in_turn_three_batched_with_other_traffic(arch):
+    """Issue 33's exactness check: each turn runs beside a text request and another image request;
+    every turn's greedy tokens equal the cache-off engine's, and turns 2-4 report cached tokens."""
+    model = build_model(arch, "micro")
+
+    def prompt(k: int) -> tuple[list[dict[str, Any]], list]:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+        images = [RED]
+        for i in range(1, k):
+            messages.append({"role": "assistant", "content": f"Answer number {i}."})
+            if i == 2:  # turn 3 brings a second picture
+                messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this?"}]})
+                images.append(BLUE)
+            else:
+                messages.append({"role": "user", "content": [{"type": "text", "text": f"Question {i}?"}]})
+        return messages, images
+
+    async def scenario(mm: bool):
+        async with running_engine(model, mm_prefix_cache=mm, max_batch_size=4) as engine:
+            out = []
+            for k in range(1, 5):
+                messages, images = prompt(k)
+                turn, *_ = await asyncio.gather(
+                    _run(engine, f"t{k}", messages, images),
+                    _run(engine, f"text{k}", [{"role": "user", "content": f"Tell me about shape {k}."}], []),
+                    _run(engine, f"img{k}", [{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                      "text": f"Shape {k}?"}]}],
+                         [scene("triangle", (30, 170, 60 + k))]))
+                out.append(turn)
+            return out
+
+    cached, cold = asyncio.run(scenario(True)), asyncio.run(scenario(False))
+    assert [t for t, _ in cached] == [t for t, _ in cold]
+    assert cached[0][1] < 0 and all(n > 0 for _, n in cached[1:]), [n for _, n in cached]
