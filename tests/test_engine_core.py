@@ -34,6 +34,7 @@ class FakeAdapter:
     reuses_prefix: bool = True
     vision_cache: bool = False
     mm_prefix_exact: bool = False
+    mm_prefix_limit: int | None = None
 
     def can_chunk(self, prompt: PromptInputs) -> bool:
         return not prompt.has_images
