@@ -175,7 +175,7 @@ async def open_call(req: ChatCompletionRequest, http: Request, state: ServerStat
             raise bad_request(f"{wanted[1]}: {exc}", wanted[1], "invalid_grammar") from None
     builder = ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools, opens_reasoning)
     call = Call(state, served, req, builder, time.perf_counter())
-    forks = [(f"{request_id}-{i}", fork_params(params, i)) for i in range(1, _choices(req, engine.config.max_batch_size))]
+    forks = [(f"{request_id}-{i}", fork_params(params, i)) for i in range(1, choice_count(req.n, engine.config.max_batch_size))]
     stream = engine.generate(request_id, prompt_factory(chat, state.media, request_id), params, forks)
     call.forks = [Fork(ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools,
                                      opens_reasoning, i), engine.follow(fork_id, p))
@@ -187,9 +187,9 @@ async def open_call(req: ChatCompletionRequest, http: Request, state: ServerStat
     return call, first, stream
 
 
-def _choices(req: ChatCompletionRequest, max_batch: int) -> int:
-    """``n``: the choices, each a row of the batch (they share one prefill)."""
-    n = 1 if req.n is None else req.n
+def choice_count(given: int | None, max_batch: int) -> int:
+    """``n``: the choices (per prompt), each a row of the batch (they share one prefill)."""
+    n = 1 if given is None else given
     if not 1 <= n <= max_batch:
         raise bad_request(f"n: {n} choices; this server takes 1 to {max_batch} (each is a row of its batch of "
                           f"{max_batch})", "n", "invalid_value")

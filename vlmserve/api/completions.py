@@ -33,7 +33,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
-from vlmserve.api.chat import REFUSALS, SSE_HEADERS, disconnected, engine_fault, fork_params, refusal, sse_event
+from vlmserve.api.chat import (
+    REFUSALS,
+    SSE_HEADERS,
+    choice_count,
+    disconnected,
+    engine_fault,
+    fork_params,
+    refusal,
+    sse_event,
+)
 from vlmserve.api.errors import APIError, bad_request
 from vlmserve.api.messages import sampling_params
 from vlmserve.api.schemas import SamplingFields
@@ -88,7 +97,7 @@ async def create_completion(req: CompletionRequest, http: Request, state: Server
         if req.echo else [""] * len(prompts)
     # echo: the text starts with the prompt's; max_tokens 0 (with echo): the prompt alone, no generation
     # unless its logprobs are asked (then one token is generated for them, and dropped)
-    n = _choices(req, engine.config.max_batch_size)
+    n = choice_count(req.n, engine.config.max_batch_size)
     choices = [Choice(i * n + j, ids, text, text, fork=j > 0) for i, (ids, text) in enumerate(zip(prompts, texts))
                for j in range(n)]
     generate = req.max_tokens != 0 or params.prompt_logprobs is not None
@@ -170,14 +179,6 @@ def _params(req: CompletionRequest, state: ServerState, vocab: int) -> SamplingP
     if req.echo and req.logprobs is not None:  # the prompt's own, as lm-evaluation-harness scores it
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     return params
-
-
-def _choices(req: CompletionRequest, max_batch: int) -> int:
-    n = 1 if req.n is None else req.n
-    if not 1 <= n <= max_batch:
-        raise bad_request(f"n: {n} choices per prompt; this server takes 1 to {max_batch} (each is a row of its "
-                          f"batch of {max_batch})", "n", "invalid_value")
-    return n
 
 
 async def _run_all(request_id: str, served: ServedModel, choices: list[Choice], params: SamplingParams,
