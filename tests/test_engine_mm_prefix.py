@@ -69,9 +69,10 @@ def test_a_later_turn_reuses_the_picture_and_answers_as_a_cold_prefill(arch):
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "lfm2_vl", "pixtral", "smolvlm", "paligemma"])
 def test_families_where_reuse_is_not_proven_exact_keep_the_default(arch):
-    """Recurrent state (Qwen3.5, LFM2-VL) cannot be cut back to a prefix; Pixtral's and SmolVLM's image
-    spans are broken by row markers (the key cannot yet tell whose image a run is); PaliGemma's
-    prompt tokens see later ones. With the flag they never reuse an image prompt's KV."""
+    """Recurrent state (Qwen3.5, LFM2-VL) cannot be cut back to a prefix; Pixtral and SmolVLM have no
+    hash per image yet (their pixel arrays do not split per image; Pixtral's spans are also split by
+    row markers); PaliGemma's prompt tokens see later ones. With the flag they never reuse an image
+    prompt's KV."""
     async def scenario():
         async with running_engine(build_model(arch, "micro"), mm_prefix_cache=True) as engine:
             await _run(engine, "a", _turns("A red circle."), [RED])
