@@ -30,25 +30,31 @@ class EngineCaches:
         self.media_ids = media_ids  # the model's image placeholder token ids
         self.mm_limit = mm_limit  # the longest image prompt reused (the adapter's mm_prefix_limit)
 
-    def _store(self, prompt: PromptInputs) -> tuple[PrefixCache | None, list[int] | None]:
-        """Where a prompt's prefix is kept, and its key there (None, None: nowhere)."""
-        store = self.mm_prefix if prompt.has_images else self.prefix
-        if store is None or (prompt.has_images and self.mm_limit is not None and len(prompt) > self.mm_limit):
-            return None, None
-        key = prefix_key(prompt, self.media_ids)
+    def _store(self, prompt: PromptInputs) -> PrefixCache | None:
+        """Where a prompt's prefix is kept (None: nowhere), from what is known without walking its tokens."""
+        if not prompt.has_images:
+            return self.prefix
+        too_long = self.mm_limit is not None and len(prompt) > self.mm_limit
+        hashed = len(prompt.images) == prompt.num_images  # every image has a content hash
+        return self.mm_prefix if hashed and not too_long else None
+
+    def _keyed(self, prompt: PromptInputs) -> tuple[PrefixCache | None, list[int] | None]:
+        store = self._store(prompt)
+        key = prefix_key(prompt, self.media_ids) if store is not None else None
         return (store, key) if key is not None else (None, None)
 
     def reuses(self, prompt: PromptInputs) -> bool:
-        """Whether this prompt's prefix may be looked up and stored."""
-        return self._store(prompt)[0] is not None
+        """Whether this prompt's prefix may be looked up and stored (its key may still be None: then
+        ``lookup_prefix`` finds nothing and ``store_prefix`` keeps nothing)."""
+        return self._store(prompt) is not None
 
     def lookup_prefix(self, prompt: PromptInputs) -> tuple[Any, int]:
         """A private copy of the longest cached prefix's KV and its length, or (None, 0)."""
-        store, key = self._store(prompt)
+        store, key = self._keyed(prompt)
         return store.lookup(key) if store is not None and key is not None else (None, 0)
 
     def store_prefix(self, prompt: PromptInputs, cache: list[Any]) -> None:
-        store, key = self._store(prompt)
+        store, key = self._keyed(prompt)
         if store is not None and key is not None:
             store.store(key, cache)
 

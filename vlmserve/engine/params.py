@@ -113,7 +113,7 @@ def prefix_key(prompt: PromptInputs, media_ids: frozenset[int]) -> list[int] | N
     only up to the first position where a token or an image differs. None where the images have no
     hash each or their runs do not pair one to one with them."""
     if not prompt.has_images:
-        return list(prompt.input_ids)
+        return prompt.input_ids
     if not media_ids or len(prompt.images) != prompt.num_images:
         return None
     key, images, previous_media = [], iter(prompt.images), False
