@@ -118,7 +118,6 @@ def test_tool_choice_without_tools_is_400(server, model_name, choice):
 
 @pytest.mark.parametrize("part, kind", [
     ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "'input_audio'"),
-    ({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}, "'video_url'"),
     ({"type": "hologram"}, "'hologram'"),
     ({"text": "no type"}, "no 'type'"),
     ("just a string", "no 'type'"),
@@ -127,7 +126,7 @@ def test_unsupported_content_parts_are_named(server, model_name, part, kind):
     body = {"model": model_name, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, part]}]}
     error = _assert_error(_post(server, body), 400, "messages.0.content")
     assert f"content part 1 has {kind if kind.startswith('no') else 'type ' + kind}" in error["message"], error["message"]
-    assert "text and image_url" in error["message"] and "valid string" not in error["message"]
+    assert "text, image_url and video_url parts" in error["message"] and "valid string" not in error["message"]
     _ok(server, model_name)
 
 

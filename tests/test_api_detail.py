@@ -84,5 +84,5 @@ def test_gemma4_takes_its_smallest_soft_token_budget_when_every_image_is_low(ser
 
 
 def test_a_family_that_sees_one_size_ignores_low(server):
-    model = "smolvlm-micro-seed0-v4-py3.11"
+    model = build_model("smolvlm", "micro").name  # the server's name for it: its directory's
     assert _count(server, model, (PICTURE, "low")) == _count(server, model, (PICTURE, "high"))

@@ -87,6 +87,7 @@ def test_multi_turn_agent_history_renders_in_gemma4_syntax(gemma4_micro):
 
     from vlmserve.api.messages import to_chat_input
     from vlmserve.api.schemas import ChatCompletionRequest
+    from vlmserve.preprocess.media import MediaPolicy
     from vlmserve.preprocess.prompt import render_chat
 
     req = ChatCompletionRequest.model_validate({
@@ -96,7 +97,7 @@ def test_multi_turn_agent_history_renders_in_gemma4_syntax(gemma4_micro):
                 "name": "get_weather", "arguments": json.dumps({"location": "Tokyo", "unit": "celsius"})}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"},
         ]})
-    chat = to_chat_input(req, max_images=8)
+    chat = to_chat_input(req, MediaPolicy())
     text = render_chat(load_processor(gemma4_micro), chat.messages, chat.tools)
     assert "<|tool>declaration:get_weather{" in text
     assert '<|tool_call>call:get_weather{location:<|"|>Tokyo<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>' in text

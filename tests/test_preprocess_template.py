@@ -68,11 +68,12 @@ def test_tools_reach_every_prompt(family: Family) -> None:
 def test_a_finished_tool_call_and_its_result_reach_the_prompt(family: Family) -> None:
     from vlmserve.api.messages import to_chat_input
     from vlmserve.api.schemas import ChatCompletionRequest
+    from vlmserve.preprocess.media import MediaPolicy
 
     history = [*AFTER_CALL[:2], {**AFTER_CALL[2], "tool_calls": [{**AFTER_CALL[2]["tool_calls"][0], "id": "call_x"}]},
                {**AFTER_CALL[3], "tool_call_id": "call_x"}]  # an id Mistral's templates would refuse
     chat = to_chat_input(ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": history, "tools": [WEATHER_TOOL]}), max_images=0)
+        {"model": "m", "messages": history, "tools": [WEATHER_TOOL]}), MediaPolicy(max_images=0))
     text = family.text(chat.messages, chat.tools)
     assert "21 degrees and sunny" in text
     if family.arch != "paligemma":  # its template keeps the last turn only

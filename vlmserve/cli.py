@@ -112,8 +112,14 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--served-model-name", action="append", nargs="+", default=[], metavar="NAME",
                      help="the names a model answers to, the first shown in /v1/models (default: the --model "
                           "string and a directory's base name); repeat once per --model, in order")
-    srv.add_argument("--limit-mm-per-prompt", type=_json_object, default={"image": serve.max_images}, metavar="JSON",
-                     help='media items in one request, as vLLM takes it: \'{"image": 8}\' (video is not served)')
+    srv.add_argument("--limit-mm-per-prompt", type=_json_object,
+                     default={"image": serve.max_images, "video": serve.max_videos}, metavar="JSON",
+                     help=f'media items in one request, as vLLM takes it: \'{{"image": {serve.max_images}, "video": '
+                          f'{serve.max_videos}}}\'')
+    srv.add_argument("--video-fps", type=float, default=serve.video_fps,
+                     help="frames sampled per second of a video (a request's mm_processor_kwargs fps wins)")
+    srv.add_argument("--video-max-frames", type=int, default=serve.video_max_frames,
+                     help="frames sampled from one video at most (a request may ask for fewer)")
     srv.add_argument("--host", default=serve.host, help="address to listen on")
     srv.add_argument("--port", type=int, default=serve.port, help="port to listen on")
     srv.add_argument("--api-key", default=os.environ.get("VLMSERVE_API_KEY") or None,
@@ -227,6 +233,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
     limits = args.limit_mm_per_prompt
     if set(limits) - {"image", "video"} or not all(isinstance(n, int) and n >= 0 for n in limits.values()):
         return '--limit-mm-per-prompt: a JSON object of "image" and "video" counts >= 0, e.g. \'{"image": 4}\''
+    if not 0 < args.video_fps <= 60 or args.video_max_frames < 2:
+        return "--video-fps must be in (0, 60] and --video-max-frames >= 2"
     if len(args.served_model_name) > max(1, len(args.model)):
         return "--served-model-name: give it once per --model, in the same order"
     if min(args.max_image_pixels, args.decode_pixels) < 1:
@@ -257,6 +265,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         served_names=tuple(tuple(names) for names in args.served_model_name),
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         max_images=args.limit_mm_per_prompt.get("image", field_default(ServeConfig, "max_images")),
+        max_videos=args.limit_mm_per_prompt.get("video", field_default(ServeConfig, "max_videos")),
+        video_fps=args.video_fps, video_max_frames=args.video_max_frames,
     )
 
 

@@ -21,6 +21,7 @@ from vlmserve.frontend.async_engine import AsyncEngine
 from vlmserve.http_protocol import guarded_protocol
 from vlmserve.preprocess.decode_budget import DecodeBudget
 from vlmserve.preprocess.media import MediaPolicy
+from vlmserve.preprocess.video import VideoSampling
 
 log = logging.getLogger(__name__)
 SEND_BUFFER = 64 * 1024  # bytes the kernel buffers per connection toward a client
@@ -38,7 +39,8 @@ def build_state(config: ServeConfig) -> ServerState:
         served.append(ServedModel(engine.name, engine, aliases, config.tool_parser))
     media = MediaPolicy(allowed_dirs=config.allowed_media_dirs, allow_remote=config.allow_remote_images,
                         allowed_domains=config.allowed_media_domains, max_pixels=config.max_image_pixels,
-                        max_images=config.max_images,
+                        max_images=config.max_images, max_videos=config.max_videos,
+                        video_sampling=VideoSampling(fps=config.video_fps, max_frames=config.video_max_frames),
                         decoding=DecodeBudget(config.decode_pixels))
     return ServerState(served, media, config)
 

@@ -22,6 +22,7 @@ from vlmserve.api.schemas import ChatCompletionRequest
 from vlmserve.api.state import ServedModel, ServerState
 from vlmserve.engine.params import PromptInputs, SamplingParams
 from vlmserve.frontend.async_engine import (
+    AsyncEngine,
     EngineNotReadyError,
     EngineOverloadedError,
     ImagePrompt,
@@ -32,20 +33,23 @@ from vlmserve.frontend.async_engine import (
 from vlmserve.frontend.output import RequestOutput
 from vlmserve.preprocess.guided import GuideError
 from vlmserve.preprocess.images import ImageError
-from vlmserve.preprocess.media import MediaPolicy, load_image_source
+from vlmserve.preprocess.media import MediaPolicy, load_image_source, load_video_source
 from vlmserve.preprocess.prompt import PromptBuilder, PromptError
+from vlmserve.preprocess.video import VideoError, VideoSampling
 
 log = logging.getLogger("vlmserve.requests")
 
 
 def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str,
                    add_generation_prompt: bool = True) -> PromptFactory | ImagePrompt:
-    """Phase 1 for the pool: fetch and decode the images, then template and tokenize (a request with
-    images in the image lane)."""
+    """Phase 1 for the pool: fetch and decode the images and videos, then template and tokenize (a
+    request with either in the image lane)."""
 
     def make(prompter: PromptBuilder) -> PromptInputs:
         limit = prompter.image_limit
         images = [load_image_source(url, media, f"image {i + 1}", limit) for i, url in enumerate(chat.image_urls)]
+        sampling = chat.video_sampling.merge(prompter.video_sampling or VideoSampling())
+        videos = [load_video_source(url, media, sampling, f"video {i + 1}") for i, url in enumerate(chat.video_urls)]
         low = [detail == "low" for detail in chat.image_details]
         image_kwargs = dict(chat.image_kwargs)
         if limit is not None and any(low):
@@ -53,9 +57,19 @@ def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str,
             if all(low):
                 image_kwargs.update(limit.low_detail_kwargs())
         return prompter.build(chat.messages, images, chat.tools, chat.instructions, request_id,
-                              add_generation_prompt, chat.template_kwargs, image_kwargs)
+                              add_generation_prompt, chat.template_kwargs, image_kwargs, videos)
 
-    return ImagePrompt(make) if chat.image_urls else make
+    return ImagePrompt(make) if chat.image_urls or chat.video_urls else make
+
+
+def chat_input(req: ChatCompletionRequest, state: ServerState, engine: AsyncEngine) -> ChatInput:
+    """A chat request as phase 1 takes it, under the server's media policy; media the model cannot
+    take is a 400 naming the model, before anything is fetched or decoded."""
+    chat = to_chat_input(req, state.media, state.config.default_chat_template_kwargs, engine.max_pixels)
+    refused = engine.media_refusal(len(chat.image_urls), len(chat.video_urls))
+    if refused is not None:
+        raise bad_request(refused, "messages", "unsupported_media")
+    return chat
 
 
 @dataclass(slots=True)
@@ -159,9 +173,8 @@ async def open_call(req: ChatCompletionRequest, http: Request, state: ServerStat
         raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
                        None, "shutting_down")
     served = state.model(req.model)
-    chat = to_chat_input(req, state.media.max_images, state.config.default_chat_template_kwargs,
-                         served.engine.max_pixels)
     engine = served.engine
+    chat = chat_input(req, state, engine)
     tokenizer = engine.tokenizer  # the loop's own copy
     params = to_sampling_params(req, state.config.default_max_tokens, len(tokenizer) if tokenizer is not None else 0)
     if chat.tools and served.tool_parser:
@@ -227,7 +240,8 @@ def refusal(exc: Exception, param: str) -> APIError:
         return bad_request(str(exc), "max_tokens", "kv_budget_exceeded")
     if isinstance(exc, PromptTooLongError):
         return bad_request(str(exc), param, "context_length_exceeded")
-    return bad_request(str(exc), param, "invalid_image" if isinstance(exc, ImageError) else None)
+    code = "invalid_video" if isinstance(exc, VideoError) else "invalid_image" if isinstance(exc, ImageError) else None
+    return bad_request(str(exc), param, code)
 
 
 def failed(call: Call, error: APIError) -> APIError:

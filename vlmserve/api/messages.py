@@ -11,9 +11,11 @@ from pydantic import ValidationError
 
 from vlmserve.api.errors import bad_request
 from vlmserve.api.limits import check_json
-from vlmserve.api.schemas import ChatCompletionRequest, ImagePart, Message, NamedToolChoice
+from vlmserve.api.schemas import ChatCompletionRequest, ImagePart, Message, NamedToolChoice, VideoPart
 from vlmserve.engine.params import SamplingParams
 from vlmserve.preprocess.guided import GuideSpec
+from vlmserve.preprocess.media import MediaPolicy
+from vlmserve.preprocess.video import VideoSampling
 
 JSON_INSTRUCTION = "Respond only with a single valid JSON object."
 REQUIRED_TOOL_INSTRUCTION = "You must answer by calling one of the available tools."
@@ -30,6 +32,8 @@ class ChatInput:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # the chat template's own variables
     image_kwargs: dict[str, int] = field(default_factory=dict)  # the processor's min_pixels/max_pixels
     image_details: list[str | None] = field(default_factory=list)  # each image's detail (low, high, auto)
+    video_urls: list[str] = field(default_factory=list)
+    video_sampling: VideoSampling = VideoSampling()  # the request's fps/max_frames over the server's
 
 
 # apply_chat_template's own arguments, and the template itself: never a template variable from a client
@@ -59,44 +63,80 @@ def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         raise bad_request(f"{where}: {first['msg']}", where, "invalid_value") from None
 
 
-def image_kwargs(given: Mapping[str, int] | None, model_max_pixels: int | None, model: str) -> dict[str, int]:
-    """A request's ``mm_processor_kwargs``: ``min_pixels``/``max_pixels`` for processors that resize to
-    a pixel budget (Qwen's), no more than the model's own ``max_pixels`` (the server's cap)."""
+IMAGE_KWARGS = ("min_pixels", "max_pixels")
+VIDEO_KWARGS = ("fps", "max_frames")
+MAX_VIDEO_FPS = 60.0
+
+
+def image_kwargs(given: Mapping[str, int | float] | None, model_max_pixels: int | None, model: str) -> dict[str, int]:
+    """A request's ``mm_processor_kwargs`` for images: ``min_pixels``/``max_pixels`` for processors that
+    resize to a pixel budget (Qwen's), no more than the model's own ``max_pixels`` (the server's cap)."""
+    given = {k: v for k, v in (given or {}).items() if k not in VIDEO_KWARGS}
     if not given:
         return {}
+    unknown = sorted(set(given) - set(IMAGE_KWARGS))
+    if unknown:
+        raise bad_request(f"mm_processor_kwargs: {', '.join(unknown)} cannot be set ({', '.join(IMAGE_KWARGS)}, "
+                          f"{', '.join(VIDEO_KWARGS)} can)", "mm_processor_kwargs", "invalid_value")
     if model_max_pixels is None:
         raise bad_request(f"mm_processor_kwargs: model {model!r}'s image processor takes no min_pixels/max_pixels",
                           "mm_processor_kwargs", "unsupported_value")
-    unknown = sorted(set(given) - {"min_pixels", "max_pixels"})
-    if unknown:
-        raise bad_request(f"mm_processor_kwargs: {', '.join(unknown)} cannot be set (min_pixels, max_pixels can)",
-                          "mm_processor_kwargs", "invalid_value")
+    if not all(isinstance(v, int) for v in given.values()):
+        raise bad_request("mm_processor_kwargs: min_pixels and max_pixels are whole numbers", "mm_processor_kwargs",
+                          "invalid_value")
     low, high = given.get("min_pixels", 1), given.get("max_pixels", model_max_pixels)
     if not 1 <= low <= high <= model_max_pixels:
         raise bad_request(f"mm_processor_kwargs: need 1 <= min_pixels <= max_pixels <= {model_max_pixels} (the "
                           f"model's own max_pixels)", "mm_processor_kwargs", "invalid_value")
-    return dict(given)
+    return {k: int(v) for k, v in given.items()}
 
 
-def to_chat_input(req: ChatCompletionRequest, max_images: int,
+def video_sampling(given: Mapping[str, int | float] | None, server: VideoSampling) -> VideoSampling:
+    """A request's ``fps`` and ``max_frames`` (``mm_processor_kwargs``) over the server's defaults; the
+    server's ``max_frames`` is also the most a request may ask for."""
+    given = given or {}
+    fps, most = given.get("fps"), given.get("max_frames")
+    if fps is not None and not 0 < fps <= MAX_VIDEO_FPS:
+        raise bad_request(f"mm_processor_kwargs: fps {fps} is not in (0, {MAX_VIDEO_FPS:g}]", "mm_processor_kwargs",
+                          "invalid_value")
+    cap = server.max_frames
+    if most is not None and (not isinstance(most, int) or not 2 <= most <= (cap or most)):
+        raise bad_request(f"mm_processor_kwargs: max_frames {most} is not a whole number in [2, {cap}] (the "
+                          f"server's --video-max-frames)", "mm_processor_kwargs", "invalid_value")
+    return VideoSampling(fps=float(fps) if fps is not None else None, max_frames=most).merge(server)
+
+
+def to_chat_input(req: ChatCompletionRequest, media: MediaPolicy,
                   default_template_kwargs: Mapping[str, Any] | None = None,
                   model_max_pixels: int | None = None) -> ChatInput:
     _check_structures(req)
     urls: list[str] = []
     details: list[str | None] = []
+    videos: list[str] = []
     names = _tool_call_names(req.messages)
-    messages = [_message(m, i, urls, names, details) for i, m in enumerate(req.messages)]
-    if len(urls) > max_images:
-        raise bad_request(f"messages: {len(urls)} images is over the limit of {max_images} per request", "messages", "too_many_images")
+    messages = [_message(m, i, _Media(urls, details, videos), names) for i, m in enumerate(req.messages)]
+    for kind, count, most in (("images", len(urls), media.max_images), ("videos", len(videos), media.max_videos)):
+        if count > most:
+            raise bad_request(f"messages: {count} {kind} is over the limit of {most} per request (the server's "
+                              f"--limit-mm-per-prompt)", "messages", f"too_many_{kind}")
     return ChatInput(messages, urls, _tools_for_template(req), _instructions(req),
                      template_kwargs(default_template_kwargs or {}, req.chat_template_kwargs),
-                     image_kwargs(req.mm_processor_kwargs, model_max_pixels, req.model), details)
+                     image_kwargs(req.mm_processor_kwargs, model_max_pixels, req.model), details, videos,
+                     video_sampling(req.mm_processor_kwargs, media.video_sampling))
 
 
-def _message(m: Message, index: int, urls: list[str], names: dict[str, str],
-             details: list[str | None]) -> dict[str, Any]:
+@dataclass(slots=True, frozen=True)
+class _Media:
+    """Where one request's media parts are collected, in order."""
+
+    image_urls: list[str]
+    image_details: list[str | None]
+    video_urls: list[str]
+
+
+def _message(m: Message, index: int, media: _Media, names: dict[str, str]) -> dict[str, Any]:
     role = "system" if m.role == "developer" else m.role
-    out: dict[str, Any] = {"role": role, "content": _content(m, index, urls, details)}
+    out: dict[str, Any] = {"role": role, "content": _content(m, index, media)}
     if m.role == "assistant" and m.tool_calls:
         out["tool_calls"] = [_tool_call(tc, index, j) for j, tc in enumerate(m.tool_calls)]
     if m.role == "tool":
@@ -105,17 +145,21 @@ def _message(m: Message, index: int, urls: list[str], names: dict[str, str],
     return out
 
 
-def _content(m: Message, index: int, urls: list[str], details: list[str | None]) -> str | list[dict[str, Any]]:
+def _content(m: Message, index: int, media: _Media) -> str | list[dict[str, Any]]:
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
     parts: list[dict[str, Any]] = []
     for part in m.content:
+        if isinstance(part, (ImagePart, VideoPart)) and m.role != "user":
+            kind = "images" if isinstance(part, ImagePart) else "videos"
+            raise bad_request(f"messages.{index}: {kind} are only allowed in user messages", f"messages.{index}.content")
         if isinstance(part, ImagePart):
-            if m.role != "user":
-                raise bad_request(f"messages.{index}: images are only allowed in user messages", f"messages.{index}.content")
-            urls.append(part.image_url.url)
-            details.append(part.image_url.detail)
+            media.image_urls.append(part.image_url.url)
+            media.image_details.append(part.image_url.detail)
             parts.append({"type": "image"})
+        elif isinstance(part, VideoPart):
+            media.video_urls.append(part.video_url.url)
+            parts.append({"type": "video"})
         else:
             parts.append({"type": "text", "text": part.text})
     if m.role != "user":  # templates expect plain text outside user turns

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SEED_MAX = 2**64 - 1  # what the sampler's random key takes
-CONTENT_PART_TYPES = ("text", "image_url")
+CONTENT_PART_TYPES = ("text", "image_url", "video_url")
 
 
 class _Lenient(BaseModel):
@@ -31,7 +31,16 @@ class ImagePart(_Lenient):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Lenient):
+    url: str
+
+
+class VideoPart(_Lenient):
+    type: Literal["video_url"]  # vLLM's
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class FunctionCall(_Lenient):
@@ -62,7 +71,7 @@ class Message(_Lenient):
                 if kind not in CONTENT_PART_TYPES:
                     what = f"type {kind!r}" if kind is not None else f"no 'type' ({type(part).__name__})"
                     raise ValueError(f"content part {i} has {what}; this server takes "
-                                     f"{' and '.join(CONTENT_PART_TYPES)} parts")
+                                     f"{', '.join(CONTENT_PART_TYPES[:-1])} and {CONTENT_PART_TYPES[-1]} parts")
         return content
 
 
@@ -129,7 +138,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # the chat template's own variables (enable_thinking)
-    mm_processor_kwargs: dict[str, int] | None = None  # min_pixels/max_pixels, as vLLM takes them
+    # min_pixels/max_pixels for images, fps/max_frames for videos, as vLLM takes them
+    mm_processor_kwargs: dict[str, int | float] | None = None
     # vLLM's older names for structured_outputs' fields (one of them, and not beside it)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None

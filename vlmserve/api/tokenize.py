@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vlmserve.api.chat import REFUSALS, prompt_factory, refusal
+from vlmserve.api.chat import REFUSALS, chat_input, prompt_factory, refusal
 from vlmserve.api.errors import bad_request
-from vlmserve.api.messages import chat_request, to_chat_input
+from vlmserve.api.messages import chat_request
 from vlmserve.api.schemas import ChatCompletionRequest, Message
 from vlmserve.api.state import ServerState
 from vlmserve.preprocess.prompt import PromptBuilder
@@ -32,7 +32,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    mm_processor_kwargs: dict[str, int] | None = None
+    mm_processor_kwargs: dict[str, int | float] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -78,7 +78,7 @@ async def chat_prompt_ids(body: ChatCompletionRequest, state: ServerState, add_g
     """The prompt a chat request would cost: its phase 1 on the pool (template, images and all); what
     phase 1 refuses is the API's 4xx."""
     engine = state.model(body.model).engine
-    chat = to_chat_input(body, state.media.max_images, state.config.default_chat_template_kwargs, engine.max_pixels)
+    chat = chat_input(body, state, engine)
     try:
         prompt = await engine.preprocess(prompt_factory(chat, state.media, f"tokenize-{uuid.uuid4().hex}",
                                                         add_generation_prompt))

@@ -101,7 +101,12 @@ class PromptInputs:
 
     @property
     def has_images(self) -> bool:
-        return "pixel_values" in self.arrays
+        """Does the prompt carry pixels (images or videos: ``num_images`` counts both)?"""
+        return "pixel_values" in self.arrays or "pixel_values_videos" in self.arrays
+
+    @property
+    def has_videos(self) -> bool:
+        return "pixel_values_videos" in self.arrays
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -114,8 +119,8 @@ def prefix_key(prompt: PromptInputs, media_ids: frozenset[int]) -> list[int] | N
     hash each or their runs do not pair one to one with them."""
     if not prompt.has_images:
         return prompt.input_ids
-    if not media_ids or len(prompt.images) != prompt.num_images:
-        return None
+    if not media_ids or len(prompt.images) != prompt.num_images or prompt.has_videos:
+        return None  # videos: a clip's placeholders are one run per frame group (Qwen3-VL, Gemma 4), not one
     key, images, previous_media = [], iter(prompt.images), False
     pseudo = 0
     for token in prompt.input_ids:
@@ -131,8 +136,10 @@ def prefix_key(prompt: PromptInputs, media_ids: frozenset[int]) -> list[int] | N
 
 
 def pixel_count(arrays: dict[str, HostArray] | dict[str, np.ndarray]) -> int:
-    """How many pixel values a prompt's (or one image's) arrays hold: the vision tower's work."""
-    pixels = arrays.get("pixel_values")
-    if pixels is None:
-        return 0
-    return sum(a.size for a in pixels) if isinstance(pixels, tuple) else int(pixels.size)
+    """How many pixel values a prompt's (or one image's or video's) arrays hold: the vision tower's work."""
+    count = 0
+    for key in ("pixel_values", "pixel_values_videos"):
+        pixels = arrays.get(key)
+        if pixels is not None:
+            count += sum(a.size for a in pixels) if isinstance(pixels, tuple) else int(pixels.size)
+    return count

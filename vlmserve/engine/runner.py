@@ -128,7 +128,8 @@ class ModelRunner:
         for request_id in request_ids:
             prompt = self.prompts[request_id].prompt
             pixels = prompt.arrays.get("pixel_values")
-            batched = isinstance(pixels, np.ndarray) and self.adapter.batch_embed and not self._caches(prompt)
+            batched = isinstance(pixels, np.ndarray) and self.adapter.batch_embed and not self._caches(prompt) \
+                and not prompt.has_videos
             key = ("images", pixels.shape[1:]) if batched and isinstance(pixels, np.ndarray) else request_id
             groups.setdefault(key, []).append(request_id)
         return list(groups.values())
@@ -182,7 +183,7 @@ class ModelRunner:
     def _caches(self, prompt: PromptInputs) -> bool:
         return self.caches.vision is not None and bool(prompt.images)
 
-    def _image_features(self, images: tuple[ImageItem, ...]) -> mx.array:
+    def _image_features(self, images: tuple[ImageItem, ...]) -> dict[str, mx.array]:
         """Each image's features from the vision cache, or from the tower (alone) and then cached."""
         vision = self.caches.vision
         assert vision is not None
@@ -194,7 +195,7 @@ class ModelRunner:
                 mx.eval(cached)
                 vision.put(item.key, cached)
             features.append(cached)
-        return self.adapter.join_features(features)
+        return self.adapter.join_features(images, features)
 
     # -- prefill --------------------------------------------------------------------
 

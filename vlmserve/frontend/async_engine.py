@@ -173,6 +173,18 @@ class AsyncEngine:
         limit = self.prompter.image_limit if self.prompter is not None else None
         return limit.area if limit is not None and limit.takes_pixel_kwargs else None
 
+    def media_refusal(self, images: int, videos: int) -> str | None:
+        """Why this model cannot take a prompt with these images and videos, or None (also before it
+        is loaded: the request is refused as not ready)."""
+        if self.loaded is None or self.prompter is None:
+            return None
+        family = f"model {self.name!r} ({self.loaded.model_type})"
+        if videos and self.prompter.video_sampling is None:
+            return f"{family} does not take video: its processor has no video processor"
+        if videos and images and not self.loaded.adapter.mixes_media:
+            return f"{family} takes images or a video in one prompt, not both (mlx-vlm's merge fills one kind)"
+        return None
+
     def opens_reasoning_with(self, template_kwargs: Mapping[str, Any]) -> bool:
         """The same, for prompts rendered with these template variables (``enable_thinking: false``)."""
         return self.prompter is not None and self.prompter.opens_reasoning_with(template_kwargs)

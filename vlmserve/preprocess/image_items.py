@@ -11,6 +11,9 @@ How arrays split, read from their shapes:
 - a tuple of ``pixel_values`` (Gemma 4 with images of different sizes): one entry per image;
 - ``pixel_values`` ``[N, ...]`` (Gemma 3, LLaVA, Gemma 4 with equal sizes): row ``i``;
 - anything else (SmolVLM's tiles, LLaVA-NeXT's patches, Pixtral's sizes): no items, no vision cache.
+
+Videos split by the same rules under their own names (``pixel_values_videos`` with ``video_grid_thw``
+or ``video_position_ids``): a clip is one item, all its frames.
 """
 
 from __future__ import annotations
@@ -23,37 +26,46 @@ import numpy as np
 from vlmserve.engine.params import HostArray, ImageItem
 
 _IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids")
+_VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "video_position_ids")
 
 
-def image_items(arrays: Mapping[str, HostArray], num_images: int, num_tokens: int) -> tuple[ImageItem, ...]:
-    """One item per image, or ``()`` where the arrays do not split per image by a rule above.
-    Per-token arrays (``[1, num_tokens]``, such as ``mm_token_type_ids``) belong to the prompt."""
-    pixels = arrays.get("pixel_values")
-    if pixels is None or num_images == 0:
-        return ()
+def image_items(arrays: Mapping[str, HostArray], num_images: int, num_tokens: int,
+                num_videos: int = 0) -> tuple[ImageItem, ...]:
+    """One item per image, then one per video (their arrays split by the same rules, under their
+    own names), or ``()`` where the arrays do not split per image by a rule above. Per-token arrays
+    (``[1, num_tokens]``, such as ``mm_token_type_ids``) belong to the prompt."""
     others = {k: v for k, v in arrays.items() if not (isinstance(v, np.ndarray) and v.shape == (1, num_tokens))}
-    if set(others) - set(_IMAGE_KEYS):
+    if set(others) - set(_IMAGE_KEYS) - set(_VIDEO_KEYS):
         return ()  # an image array of a kind not known to split
-    if "image_grid_thw" in arrays:
-        per_image = _split_patches(arrays)
-    elif isinstance(pixels, tuple):
-        per_image = _split_tuples(others, num_images)
-    else:
-        per_image = _split_rows(others, num_images)
-    if per_image is None:
-        return ()
-    return tuple(ImageItem(_hash(item), item) for item in per_image)
+    items: list[dict[str, np.ndarray]] = []
+    for keys, n in ((_IMAGE_KEYS, num_images), (_VIDEO_KEYS, num_videos)):
+        own = {k: v for k, v in others.items() if k in keys}
+        if n == 0:
+            continue
+        split = _split(own, n, keys[0], keys[1]) if keys[0] in own else None
+        if split is None:
+            return ()
+        items += split
+    return tuple(ImageItem(_hash(item), item) for item in items)
 
 
-def _split_patches(arrays: Mapping[str, HostArray]) -> list[dict[str, np.ndarray]] | None:
-    pixels, grid = arrays["pixel_values"], arrays["image_grid_thw"]
+def _split(arrays: Mapping[str, HostArray], n: int, pixels: str, grid: str) -> list[dict[str, np.ndarray]] | None:
+    if grid in arrays:
+        return _split_patches(arrays, pixels, grid)
+    if isinstance(arrays[pixels], tuple):
+        return _split_tuples(arrays, n)
+    return _split_rows(arrays, n)
+
+
+def _split_patches(arrays: Mapping[str, HostArray], pixels_key: str, grid_key: str) -> list[dict[str, np.ndarray]] | None:
+    pixels, grid = arrays[pixels_key], arrays[grid_key]
     if not isinstance(pixels, np.ndarray) or not isinstance(grid, np.ndarray) or grid.ndim != 2:
         return None
     counts = [int(np.prod(row)) for row in grid]
     if sum(counts) != pixels.shape[0]:
         return None
     starts = np.cumsum([0, *counts])
-    return [{"pixel_values": pixels[a:b], "image_grid_thw": grid[i:i + 1]}
+    return [{pixels_key: pixels[a:b], grid_key: grid[i:i + 1]}
             for i, (a, b) in enumerate(zip(starts[:-1], starts[1:]))]
 
 

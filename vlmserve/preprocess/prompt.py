@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import logging
 import queue
@@ -20,10 +21,14 @@ from vlmserve.preprocess.control import ControlTokens
 from vlmserve.preprocess.image_items import image_items
 from vlmserve.preprocess.image_sizes import ProcessorLimit, processor_limit
 from vlmserve.preprocess.template import TemplateInfo, adapt_messages, inspect_template
+from vlmserve.preprocess.video import Video, VideoSampling, processor_sampling
 
 log = logging.getLogger(__name__)
 SLOW_PREPROCESS_S = 1.0
 REASONING_PROBES = 64  # sets of template variables whose probe render is kept
+# What video processors return about the frames besides the arrays the model takes (Gemma 4's counts)
+VIDEO_BOOKKEEPING = frozenset({"num_frames_per_video", "num_soft_tokens_per_frame", "num_soft_tokens_per_video",
+                               "frame_timestamps"})
 
 
 class PromptError(ValueError):
@@ -45,16 +50,25 @@ def render_chat(
     tools: Sequence[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
     template_kwargs: Mapping[str, Any] | None = None,
+    videos: bool = False,
 ) -> str:
-    """Render the model's own chat template; images stay as ``{"type": "image"}`` parts.
-    ``template_kwargs`` are the template's own variables (``enable_thinking``...)."""
+    """Render the model's own chat template; images stay as ``{"type": "image"}`` parts, videos as
+    ``{"type": "video"}``. ``template_kwargs`` are the template's own variables (``enable_thinking``...).
+
+    With ``videos``, the tokenizer renders the processor's template: mlx-vlm's Gemma 4 processor
+    renders through its own message builder, which drops a video part that carries no file."""
+    templater = templater_of(processor)
+    extra = dict(template_kwargs or {})
+    if videos and templater is not tokenizer_of(processor):
+        extra["chat_template"] = templater.chat_template
+        templater = tokenizer_of(processor)
     try:
-        text: str = templater_of(processor).apply_chat_template(
+        text: str = templater.apply_chat_template(
             list(messages),
             tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
-            **dict(template_kwargs or {}),
+            **extra,
         )
         return text
     except Exception as exc:  # noqa: BLE001 - jinja errors are the caller's input
@@ -62,26 +76,36 @@ def render_chat(
 
 
 def encode(processor: Any, text: str, images: Sequence[Image.Image] = (),
-           image_kwargs: Mapping[str, int] | None = None) -> PromptInputs:
-    """Tokenize a rendered prompt and preprocess its images with the model's processor.
+           image_kwargs: Mapping[str, int] | None = None, videos: Sequence[Video] = ()) -> PromptInputs:
+    """Tokenize a rendered prompt and preprocess its images and videos with the model's processor.
 
     Processors are called with nothing but text, images and the tensor type (mlx-vlm's LLaVA
     processors pass any other keyword to the image processor, which rejects it), and a request's
     ``image_kwargs`` (``min_pixels``/``max_pixels``, for the processors that take them: Qwen's).
+    Videos go as mlx-vlm's ``prepare_inputs`` sends them: the frames, and each clip's sampled ``fps``
+    and frame metadata to the processors whose call names them (Qwen3-VL's timestamps, Gemma 4's).
     """
     text = _without_doubled_bos(tokenizer_of(processor), text)
-    if not images:
+    if not images and not videos:
         ids = tokenizer_of(processor)(text)["input_ids"]
         return PromptInputs(input_ids=[int(i) for i in ids])
-    out = processor(text=[text], images=list(images), return_tensors="np", **dict(image_kwargs or {}))
+    kwargs: dict[str, Any] = dict(image_kwargs or {})
+    if videos:
+        declared = inspect.signature(processor.__call__).parameters
+        kwargs["videos"] = [v.frames for v in videos]
+        if "fps" in declared:
+            kwargs["fps"] = [v.sampled_fps for v in videos]
+        if "video_metadata" in declared:
+            kwargs["video_metadata"] = [v.metadata() for v in videos]
+    out = processor(text=[text], images=list(images) or None, return_tensors="np", **kwargs)
     arrays: dict[str, HostArray] = {}
     for key, value in out.items():
-        host = _to_host(value) if key not in ("input_ids", "attention_mask") else None
+        host = _to_host(value) if key not in ("input_ids", "attention_mask", *VIDEO_BOOKKEEPING) else None
         if host is not None:
             arrays[key] = host
     ids = [int(i) for i in np.asarray(out["input_ids"]).reshape(-1)]
-    return PromptInputs(input_ids=ids, arrays=arrays, num_images=len(images),
-                        images=image_items(arrays, len(images), len(ids)))
+    return PromptInputs(input_ids=ids, arrays=arrays, num_images=len(images) + len(videos),
+                        images=image_items(arrays, len(images), len(ids), len(videos)))
 
 
 def _without_doubled_bos(tokenizer: Any, text: str) -> str:
@@ -105,24 +129,28 @@ def build_prompt(
     add_generation_prompt: bool = True,
     template_kwargs: Mapping[str, Any] | None = None,
     image_kwargs: Mapping[str, int] | None = None,
+    videos: Sequence[Video] = (),
 ) -> PromptInputs:
-    """Phase 1 for one request: template, tokenize, preprocess images; logs when slow.
+    """Phase 1 for one request: template, tokenize, preprocess images and videos; logs when slow.
 
     ``instructions`` (e.g. "answer in JSON") join the system message, wherever this template keeps it.
     """
     start = time.perf_counter()
-    count = sum(_count_images(m) for m in messages)
-    if count != len(images):
-        raise PromptError(f"{count} image parts in the messages but {len(images)} images given")
+    for kind, given in (("image", len(images)), ("video", len(videos))):
+        count = sum(_count_parts(m, kind) for m in messages)
+        if count != given:
+            raise PromptError(f"{count} {kind} parts in the messages but {given} {kind}s given")
     refused = control.refusal(messages, tools, instructions)
     if refused is not None:
         raise PromptError(refused)
     messages, tools = adapt_messages(messages, tools, template, instructions)
-    text = render_chat(processor, messages, tools, add_generation_prompt, template_kwargs)
+    text = render_chat(processor, messages, tools, add_generation_prompt, template_kwargs, bool(videos))
     try:
-        prompt = encode(processor, text, images, image_kwargs)
+        prompt = encode(processor, text, images, image_kwargs, videos)
     except Exception as exc:  # noqa: BLE001 - e.g. image tokens typed into the text: the input's fault
         raise PromptError(f"could not process the prompt: {type(exc).__name__}: {exc}") from exc
+    if videos and "pixel_values_videos" not in prompt.arrays:
+        raise PromptError("the chat template wrote no video placeholder for the video")
     elapsed = time.perf_counter() - start
     if elapsed > SLOW_PREPROCESS_S:
         log.warning("slow preprocessing: request %s, %d tokens, %.2f s", request_id, len(prompt), elapsed)
@@ -144,6 +172,7 @@ class PromptBuilder:
     control: ControlTokens = ControlTokens()
     image_limit: ProcessorLimit | None = None  # what its processor keeps of an image: decoding stops there
     media_token_ids: frozenset[int] = frozenset()  # image, video and audio placeholders: only phase 1 writes them
+    video_sampling: VideoSampling | None = None  # the frames its video processor asks for; None: it takes no video
     # Copies, not a lock (measured): a copy is 1-6 ms here, ~0.6 s and 24 MiB for a 200k vocabulary, once at start-up;
     # one lock made 4 threads' image prompts 1.45x slower (2 cores) and a decode wait ~0.5 s behind 140k-token ones.
     spares: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue, compare=False, repr=False)
@@ -153,9 +182,10 @@ class PromptBuilder:
     def for_processor(cls, processor: Any, copies: int = 0) -> PromptBuilder:
         """The builder, with ``copies`` processor copies made now (one per pool thread: a copy of a
         large vocabulary's tokenizer is worth making before the first request, not during it)."""
+        takes_video = getattr(processor, "video_processor", None) is not None and getattr(processor, "video_token", None)
         builder = cls(processor, inspect_template(templater_of(processor)),
                       ControlTokens.of(processor, tokenizer_of(processor)), processor_limit(processor),
-                      media_token_ids(processor))
+                      media_token_ids(processor), processor_sampling(processor) if takes_video else None)
         for _ in range(copies):
             builder.spares.put(copy.deepcopy(processor))
         return builder
@@ -164,10 +194,10 @@ class PromptBuilder:
               tools: Sequence[dict[str, Any]] | None = None, instructions: str = "",
               request_id: str = "-", add_generation_prompt: bool = True,
               template_kwargs: Mapping[str, Any] | None = None,
-              image_kwargs: Mapping[str, int] | None = None) -> PromptInputs:
+              image_kwargs: Mapping[str, int] | None = None, videos: Sequence[Video] = ()) -> PromptInputs:
         with self._borrowed() as processor:
             return build_prompt(processor, messages, images, tools, self.template, instructions, request_id,
-                                self.control, add_generation_prompt, template_kwargs, image_kwargs)
+                                self.control, add_generation_prompt, template_kwargs, image_kwargs, videos)
 
     def opens_reasoning_with(self, template_kwargs: Mapping[str, Any]) -> bool:
         """Whether a prompt rendered with these template variables ends inside ``<think>``: a probe
@@ -229,11 +259,11 @@ def media_token_ids(processor: Any) -> frozenset[int]:
     return frozenset(found)
 
 
-def _count_images(message: dict[str, Any]) -> int:
+def _count_parts(message: dict[str, Any], kind: str) -> int:
     content = message.get("content")
     if not isinstance(content, list):
         return 0
-    return sum(1 for part in content if isinstance(part, dict) and part.get("type") == "image")
+    return sum(1 for part in content if isinstance(part, dict) and part.get("type") == kind)
 
 
 def _to_host(value: Any) -> HostArray | None:

@@ -28,7 +28,7 @@ ARCHS = (
 )  # fmt: skip
 SIZES = ("micro", "small")
 # Bump when anything that shapes the files changes: the cache key includes it.
-BUILDER_VERSION = 4
+BUILDER_VERSION = 5  # 5: Qwen2/2.5-VL write their video processor's settings where mlx-vlm reads them
 MARKER = "vlmserve_build.json"  # written last inside the build; names what was built
 STAGES = ("tokenizer", "processor", "weights", "save")
 

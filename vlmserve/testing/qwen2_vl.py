@@ -25,6 +25,7 @@ from typing import Any
 
 import mlx.nn as nn
 
+from .qwen3_vl import QwenProcessorFiles
 from .recipe import MICRO, SMALL, Dims, Recipe
 from .templates import published_template
 from .tokenizer import TokenizerSpec
@@ -165,16 +166,17 @@ def make_processor(tokenizer: Any, dims: Dims, processor_class: type | None = No
     shape = {"patch_size": dims.patch, "merge_size": MERGE, "temporal_patch_size": TEMPORAL_PATCH}
     bounds = {"min_pixels": min_pixels, "max_pixels": max_pixels}
     image_processor = Qwen2VLImageProcessorPil(**bounds, **shape)
-    # transformers' Qwen2VLVideoProcessor needs torchvision; save_pretrained needs some video
-    # processor. mlx-vlm's numpy one is what its loader builds anyway.
-    video_processor = Qwen3VLVideoProcessor(**bounds, **shape)
+    # transformers' Qwen2VLVideoProcessor needs torchvision; mlx-vlm's numpy one is what its loader
+    # builds anyway. Qwen2-VL normalizes video frames as it does images (CLIP's mean and std).
+    normalize = {"image_mean": list(image_processor.image_mean), "image_std": list(image_processor.image_std)}
+    video_processor = Qwen3VLVideoProcessor(**bounds, **shape, **normalize)
     cls = processor_class or Qwen2VLProcessor
-    return cls(
+    return QwenProcessorFiles(cls(
         image_processor=image_processor,
         tokenizer=tokenizer,
         video_processor=video_processor,
         chat_template=tokenizer.chat_template,
-    )
+    ))
 
 
 def fix_init(model: nn.Module) -> None:

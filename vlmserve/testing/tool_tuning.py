@@ -75,11 +75,12 @@ def _render(prompter: Any, messages: list[dict[str, Any]], generation_prompt: bo
     """The adapted messages (what the template sees) and the template's text, as the server builds them."""
     from vlmserve.api.messages import to_chat_input
     from vlmserve.api.schemas import ChatCompletionRequest
+    from vlmserve.preprocess.media import MediaPolicy
     from vlmserve.preprocess.prompt import render_chat
     from vlmserve.preprocess.template import adapt_messages
 
     chat = to_chat_input(ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": messages, "tools": [WEATHER_TOOL]}), max_images=0)
+        {"model": "m", "messages": messages, "tools": [WEATHER_TOOL]}), MediaPolicy(max_images=0))
     adapted, tools = adapt_messages(chat.messages, chat.tools, prompter.template)
     text = render_chat(prompter.processor, adapted, tools, add_generation_prompt=generation_prompt)
     if generation_prompt:

@@ -25,7 +25,9 @@ from mlx_vlm.generate.ar import (
 )
 from mlx_vlm.models.cache import make_prompt_cache
 
-from vlmserve.engine.params import PromptInputs
+from vlmserve.engine.params import ImageItem, PromptInputs
+
+PIXEL_KEYS = ("pixel_values", "pixel_values_videos")  # what the vision tower reads; never language-model keywords
 
 
 @dataclass(slots=True)
@@ -63,6 +65,8 @@ class ModelAdapter:
     # ``get_input_embeddings`` as ``cached_image_features`` (``join_features``)? Then the vision
     # cache keeps them across requests (engine/vision_cache.py).
     vision_cache: ClassVar[bool] = False
+    # May one prompt carry images and videos together? Not where mlx-vlm's merge takes one kind.
+    mixes_media: ClassVar[bool] = True
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -99,14 +103,15 @@ class ModelAdapter:
             return False
         return self.chunk_images or not prompt.has_images
 
-    def embed(self, input_ids: mx.array, arrays: dict[str, Any], image_features: mx.array | None = None) -> Embedded:
-        """The vision tower and the merge, as mlx-vlm's ``generate_step`` calls them; with
-        ``image_features`` (from ``join_features``) the tower is skipped."""
+    def embed(self, input_ids: mx.array, arrays: dict[str, Any], cached: dict[str, mx.array] | None = None) -> Embedded:
+        """The vision tower and the merge, as mlx-vlm's ``generate_step`` calls them; with ``cached``
+        (``join_features``'s keywords) the tower is skipped."""
         arrays = dict(arrays)
         pixel_values = arrays.pop("pixel_values", None)
+        videos = {k: arrays.pop(k) for k in PIXEL_KEYS[1:] if k in arrays}
         mask = mx.ones(input_ids.shape, dtype=mx.int32)  # one unpadded row, like the processor's
-        cached = {} if image_features is None else {"cached_image_features": image_features}
-        features = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **arrays, **cached)
+        features = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **arrays, **videos,
+                                                   **(cached or {}))
         extra = {k: v for k, v in features.to_dict().items() if k != "inputs_embeds" and v is not None}
         return Embedded(features.inputs_embeds, {**arrays, **extra}, self.row_state(extra))
 
@@ -125,17 +130,17 @@ class ModelAdapter:
         out = []
         for row, own in zip(rows, arrays):
             extra = {k: v for k, v in row.items() if k != "inputs_embeds"}
-            own = {k: v for k, v in own.items() if k != "pixel_values"}
+            own = {k: v for k, v in own.items() if k not in PIXEL_KEYS}
             out.append(Embedded(row["inputs_embeds"], {**own, **extra}, self.row_state(extra)))
         return out
 
     def encode_image(self, arrays: dict[str, mx.array]) -> mx.array:
-        """One image's features in the language model's space (vision tower and projector)."""
+        """One image's (or video's) features in the language model's space (vision tower and projector)."""
         raise NotImplementedError(f"{type(self).__name__} has no vision cache")
 
-    def join_features(self, features: list[mx.array]) -> mx.array:
-        """The prompt's images' features, in order, as ``cached_image_features``."""
-        return mx.concatenate(features, axis=0)
+    def join_features(self, items: tuple[ImageItem, ...], features: list[mx.array]) -> dict[str, mx.array]:
+        """The prompt's images' features (``items``' order), as ``get_input_embeddings``' keywords."""
+        return {"cached_image_features": mx.concatenate(features, axis=0)}
 
     def row_state(self, features: dict[str, Any]) -> dict[str, mx.array]:
         """Per-request state decode needs on every step; none by default."""

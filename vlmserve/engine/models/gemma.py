@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_vlm.models.base import create_attention_mask
 
 from vlmserve.engine.models.base import ModelAdapter
-from vlmserve.engine.params import PromptInputs
+from vlmserve.engine.params import ImageItem, PromptInputs
 
 
 class Gemma3Adapter(ModelAdapter):
@@ -54,13 +54,22 @@ class Gemma4Adapter(ModelAdapter):
         return True  # as Gemma 3's
 
     def encode_image(self, arrays: dict[str, mx.array]) -> mx.array:
+        if "pixel_values_videos" in arrays:  # [1, frames, patches, dim]: the frames go through as a batch
+            out: mx.array = self.model.encode_image(arrays["pixel_values_videos"], arrays["video_position_ids"])
+            return out.reshape(1, -1, out.shape[-1])  # [1, frames * tokens, hidden]
         pixels = arrays["pixel_values"]
         pixels = pixels[None] if pixels.ndim == 3 else pixels  # an image of a size of its own
         features: mx.array = self.model.encode_image(pixels, arrays.get("image_position_ids"))  # [1, tokens, hidden]
         return features
 
-    def join_features(self, features: list[mx.array]) -> mx.array:
-        return mx.concatenate(features, axis=1)  # scattered in order over the image tokens
+    def join_features(self, items: tuple[ImageItem, ...], features: list[mx.array]) -> dict[str, mx.array]:
+        # Scattered in order over each kind's placeholders: images', then videos'
+        joined = {}
+        for key, video in (("cached_image_features", False), ("cached_video_features", True)):
+            own = [f for item, f in zip(items, features) if ("pixel_values_videos" in item.arrays) == video]
+            if own:
+                joined[key] = mx.concatenate(own, axis=1)
+        return joined
 
     def vision_blocks(self) -> tuple[Any, str] | None:
         return self.model.vision_tower.encoder, "layers"

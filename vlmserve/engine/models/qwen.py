@@ -21,11 +21,17 @@ class MRoPEAdapter(ModelAdapter):
     tool_format: ClassVar[str | None] = "hermes"
     batch_embed: ClassVar[bool] = True
     vision_cache: ClassVar[bool] = True
+    # mlx-vlm's merge fills the image placeholders when there are any, else the video ones: one kind a prompt
+    mixes_media: ClassVar[bool] = False
 
     def encode_image(self, arrays: dict[str, mx.array]) -> mx.array:
-        # As mlx-vlm's get_input_embeddings runs the tower: [patches / merge^2, hidden]
+        # As mlx-vlm's get_input_embeddings runs the tower: [patches / merge^2, hidden]; a video is
+        # its frames' patches with a grid of t > 1, through the same tower
         tower = self.model.vision_tower
-        out = tower(arrays["pixel_values"].astype(tower.patch_embed.proj.weight.dtype), arrays["image_grid_thw"])
+        video = "pixel_values_videos" in arrays
+        pixels, grid = (arrays["pixel_values_videos"], arrays["video_grid_thw"]) if video else \
+            (arrays["pixel_values"], arrays["image_grid_thw"])
+        out = tower(pixels.astype(tower.patch_embed.proj.weight.dtype), grid)
         features: mx.array = out[0] if isinstance(out, tuple) else out  # Qwen3.5's tower also returns DeepStack's
         return features
 

@@ -1,0 +1,245 @@
+"""Video input, as vLLM takes it (``video_url`` parts): frames sampled as mlx-vlm samples them, each
+family's own video processor, and greedy tokens equal to mlx-vlm's own video path from the same file.
+
+The oracle: mlx-vlm's ``prepare_inputs`` reads the clip itself (``load_video``, its sampling) and
+runs the processor; our phase 1 must give the same prompt token ids and pixel arrays, and our engine,
+alone, batched and with the vision cache, the tokens mlx-vlm's ``generate_step`` gives on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from conftest import scene
+from server_utils import ServerProcess, image_data_url, start_server
+
+from vlmserve.engine.engine_config import EngineConfig
+from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.frontend.async_engine import AsyncEngine
+from vlmserve.preprocess.prompt import render_chat
+from vlmserve.preprocess.video import VideoError, VideoSampling, decode_video
+from vlmserve.testing import build_model
+from vlmserve.testing.clips import write_clip
+from vlmserve.testing.reference import reference_greedy
+
+VIDEO_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma4")
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+SAMPLING = VideoSampling(fps=2.0, max_frames=8)
+
+
+def video_data_url(path: Path) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("clips")
+    return {"red": write_clip(root / "red.mp4"), "blue": write_clip(root / "blue.mp4", 20, 10.0, color=(255, 0, 0)),
+            "one": write_clip(root / "one.mp4", frames=1)}
+
+
+# -- decoding ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fps, max_frames", [(2.0, 8), (1.0, 32), (8.0, 6), (0.5, 32), (30.0, 768)])
+def test_frames_are_the_ones_mlx_vlm_samples(clips, fps, max_frames):
+    from mlx_vlm.utils import load_video
+
+    for clip in (clips["red"], clips["blue"]):
+        ours = decode_video(clip, VideoSampling(fps=fps, max_frames=max_frames), 10**8)
+        frames, meta = load_video(str(clip), fps=fps, max_frames=max_frames)
+        assert list(ours.indices) == meta.frames_indices
+        assert np.array_equal(ours.frames, frames)
+        assert ours.sampled_fps == pytest.approx(meta.sampled_fps)
+
+
+def test_a_clip_that_cannot_be_sampled_is_refused(clips, tmp_path):
+    with pytest.raises(VideoError, match="1 frame.*needs at least 2"):
+        decode_video(clips["one"], SAMPLING, 10**8, "video 1")
+    with pytest.raises(VideoError, match="video 1: not a video"):
+        decode_video(b"\x00\x01 definitely not an mp4" * 50, SAMPLING, 10**8, "video 1")
+    with pytest.raises(VideoError, match="over the 1000-pixel limit"):
+        decode_video(clips["red"], SAMPLING, 1000, "video 1")
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(clips["red"].read_bytes()[:600])
+    with pytest.raises(VideoError, match="video 1: "):
+        decode_video(cut, SAMPLING, 10**8, "video 1")
+
+
+# -- the engine against mlx-vlm's own video path ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=VIDEO_ARCHS)
+def family(request: pytest.FixtureRequest) -> Iterator[tuple[AsyncEngine, asyncio.AbstractEventLoop]]:
+    loop = asyncio.new_event_loop()
+    engine = AsyncEngine(str(build_model(request.param, "micro")),
+                         config=EngineConfig(max_batch_size=8, prefill_chunk=16))
+    loop.run_until_complete(engine.start())
+    yield engine, loop
+    loop.run_until_complete(engine.shutdown())
+    loop.close()
+
+
+def _messages(text: str, kinds: tuple[str, ...] = ("video",)) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [*({"type": k} for k in kinds), {"type": "text", "text": text}]}]
+
+
+def _mlx_vlm_inputs(processor: Any, text: str, clip: Path) -> dict[str, np.ndarray]:
+    """mlx-vlm's own video path on the clip (it reads and samples the file): on the worker, as numpy."""
+    from mlx_vlm.utils import prepare_inputs
+
+    inputs = prepare_inputs(processor, videos=[str(clip)], prompts=[text], fps=SAMPLING.fps,
+                            max_frames=SAMPLING.max_frames)
+    return {k: np.asarray(v) for k, v in inputs.items() if hasattr(v, "shape")}
+
+
+async def _tokens(engine: AsyncEngine, request_id: str, prompt: PromptInputs) -> list[int]:
+    out: list[int] = []
+    async for step in engine.generate(request_id, prompt, GREEDY):
+        assert step.error is None, step.error
+        out += step.token_ids
+    return out
+
+
+def test_engine_equals_mlx_vlms_video_path(family, clips):
+    engine, loop = family
+    messages = _messages("What happens in this clip?")
+    prompt = engine.prompter.build(messages, videos=[decode_video(clips["red"], SAMPLING, 10**8)])
+    text = render_chat(engine.prompter.processor, messages, videos=True)
+    theirs = engine.worker.call(_mlx_vlm_inputs, engine.prompter.processor, text, clips["red"])
+    assert prompt.input_ids == theirs["input_ids"].reshape(-1).tolist()
+    for key, value in prompt.arrays.items():
+        assert np.array_equal(np.asarray(value), theirs[key]), key
+    assert prompt.num_images == 1 and len(prompt.images) == 1  # one clip, one vision-cache item
+
+    reference = engine.worker.call(reference_greedy, engine.loaded.model, prompt, GREEDY.max_tokens)
+    assert loop.run_until_complete(_tokens(engine, "alone", prompt)) == reference
+    before = loop.run_until_complete(engine.stats()).vision
+    assert loop.run_until_complete(_tokens(engine, "again", prompt)) == reference  # the clip's features cached
+    after = loop.run_until_complete(engine.stats()).vision
+    if engine.loaded.model_type != "qwen3_vl":  # DeepStack: no vision cache
+        assert (after.hits, after.misses) == (before.hits + 1, before.misses)
+
+
+def test_videos_batch_with_images_and_text(family, clips):
+    engine, loop = family
+    prompts = [
+        engine.prompter.build(_messages("Describe the motion."), videos=[decode_video(clips["blue"], SAMPLING, 10**8)]),
+        engine.prompter.build(_messages("And this one?"),
+                              videos=[decode_video(clips["red"], VideoSampling(fps=4.0, max_frames=6), 10**8)]),
+        engine.prompter.build(_messages("What colour?", ("image",)), [scene("circle", (200, 30, 30))]),
+        engine.prompter.build(_messages("Say something.", ())),
+    ]
+    references = [engine.worker.call(reference_greedy, engine.loaded.model, p, GREEDY.max_tokens) for p in prompts]
+
+    async def together() -> list[list[int]]:
+        return list(await asyncio.gather(*(_tokens(engine, f"mix-{i}", p) for i, p in enumerate(prompts))))
+
+    assert loop.run_until_complete(together()) == references
+
+
+# -- the API ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, clips) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("video-server")
+    models = [build_model("qwen2_5_vl", "micro"), build_model("gemma4", "micro"), build_model("smolvlm", "micro")]
+    args = [a for m in models for a in ("--model", str(m))]
+    args += ["--allowed-media-dir", str(clips["red"].parent), "--video-max-frames", "16",
+             "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 1})]
+    proc = start_server(args, root / "server.log", timeout=300)
+    yield proc
+    proc.stop()
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _video_message(url: str, text: str = "What happens?", image: str | None = None) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "video_url", "video_url": {"url": url}}]
+    if image is not None:
+        parts.append({"type": "image_url", "image_url": {"url": image}})
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def _count(server: ServerProcess, model: str, messages: list[dict[str, Any]], **extra: Any) -> int:
+    r = httpx.post(server.url + "/tokenize", json={"model": model, "messages": messages, **extra}, timeout=120)
+    assert r.status_code == 200, r.text
+    return int(r.json()["count"])
+
+
+@pytest.mark.parametrize("model", ["qwen2_5_vl", "gemma4"])
+def test_a_video_chat_through_the_openai_sdk(server, clips, model):
+    name = build_model(model, "micro").name
+    client = _client(server)
+    messages = _video_message(video_data_url(clips["red"]))
+    r = client.chat.completions.create(model=name, messages=messages, max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    text_only = _count(server, name, [{"role": "user", "content": "What happens?"}])
+    assert r.usage.prompt_tokens == _count(server, name, messages) > text_only + 3  # placeholders and markers
+    # streamed, from an allowed local file: the same clip, the same prompt and tokens
+    stream = client.chat.completions.create(model=name, messages=_video_message(str(clips["red"])), max_tokens=4,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_fps_and_max_frames_choose_the_frames(server, clips):
+    name = build_model("gemma4", "micro").name  # a fixed token count per frame (Qwen's budget is the whole clip's)
+    messages = _video_message(video_data_url(clips["red"]))
+    default = _count(server, name, messages)  # the server's 2 fps: 4 of the clip's 16 frames (2 s at 8 fps)
+    eight = _count(server, name, messages, mm_processor_kwargs={"fps": 8, "max_frames": 8})
+    sixteen = _count(server, name, messages, mm_processor_kwargs={"fps": 8})  # the server's --video-max-frames
+    assert sixteen - eight == 2 * (eight - default) > 0
+    assert _count(server, name, messages, mm_processor_kwargs={"fps": 1}) == default  # 2 frames, raised to 4
+    r = _client(server).chat.completions.create(model=name, messages=messages, max_tokens=2, temperature=0,
+                                                extra_body={"mm_processor_kwargs": {"fps": 8, "max_frames": 8}})
+    assert r.usage.prompt_tokens == eight
+
+
+@pytest.mark.parametrize("case, model, messages, extra, status, words", [
+    ("no video processor", "smolvlm", "red", {}, 400, "does not take video"),
+    ("image and video on Qwen", "qwen2_5_vl", "red+image", {}, 400, "images or a video in one prompt"),
+    ("two videos", "gemma4", "red+red", {}, 400, "2 videos is over the limit of 1"),
+    ("corrupt", "gemma4", "corrupt", {}, 400, "video 1: not a video"),
+    ("an image as a video", "gemma4", "png", {}, 400, "not a video"),
+    ("too many frames asked", "gemma4", "red", {"mm_processor_kwargs": {"max_frames": 64}}, 400, "max_frames 64"),
+    ("no frames per second", "gemma4", "red", {"mm_processor_kwargs": {"fps": 0}}, 400, "fps 0"),
+    ("outside the allowed directory", "gemma4", "/etc/hostname", {}, 400, "outside the allowed media"),
+    ("in an assistant turn", "gemma4", "assistant", {}, 400, "videos are only allowed in user messages"),
+])
+def test_bad_video_requests_are_400s_and_change_nothing(server, clips, case, model, messages, extra, status, words):
+    red = video_data_url(clips["red"])
+    picture = image_data_url(scene("square", (30, 30, 200)))
+    built = {
+        "red": _video_message(red), "red+image": _video_message(red, image=picture),
+        "red+red": [{"role": "user", "content": [_video_message(red)[0]["content"][0]] * 2 + [
+            {"type": "text", "text": "Compare."}]}],
+        "corrupt": _video_message("data:video/mp4;base64," + base64.b64encode(b"\x00" * 4000).decode()),
+        "png": _video_message(picture), "/etc/hostname": _video_message("/etc/hostname"),
+        "assistant": [{"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": _video_message(red)[0]["content"]}],
+    }[messages]
+    name = build_model(model, "micro").name
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                   json={"model": name, "messages": built, "max_tokens": 2, **extra})
+    assert r.status_code == status, (case, r.text)
+    error = r.json()["error"]
+    assert words in error["message"] and error["type"] == "invalid_request_error", (case, error)
+    if case == "no video processor":
+        assert error["code"] == "unsupported_media" and "smolvlm" in error["message"]
+    ok = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                    json={"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert ok.status_code == 200 and httpx.get(server.url + "/health", timeout=10).status_code == 200
