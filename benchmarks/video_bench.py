@@ -1,7 +1,8 @@
 """[main] What a video costs, per family: prompt tokens per frame, phase 1, and TTFT for an 8-frame clip.
 
     python benchmarks/video_bench.py [--archs gemma4,qwen2_5_vl,...] [--reps 3] [--frames 8]
-        [--size 448x252] [--out DIR]
+        [--size 448x252] [--dtype bfloat16|float32] [--out DIR]
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python benchmarks/video_bench.py --dtype float32
 
 For each family whose processor takes video, builds its small model (``ignore_eos=True``) and runs
 one in-process engine (the real worker, vision cache on). Qwen's video processors fit the whole clip
@@ -19,7 +20,7 @@ the other on an idle engine:
 
 Tokens per frame is (the prompt with the clip - the prompt without it) / frames: placeholders plus
 each family's per-frame markers (Qwen3-VL and Gemma 4 time-stamp each frame group). Writes
-``video.json`` and ``video.md`` to DIR (default ``benchmarks/results/video``).
+``video.json`` and ``video.md`` to DIR (default ``benchmarks/results/video-DTYPE``).
 """
 
 from __future__ import annotations
@@ -67,13 +68,13 @@ def bench_model(arch: str, root: Path) -> Path:
     return copy
 
 
-async def bench_arch(arch: str, model: Path, clips: list[Path], frames: int) -> dict[str, Any]:
+async def bench_arch(arch: str, model: Path, clips: list[Path], frames: int, dtype: str) -> dict[str, Any]:
     from vlmserve.engine.engine_config import EngineConfig
     from vlmserve.engine.params import PromptInputs, SamplingParams
     from vlmserve.frontend.async_engine import AsyncEngine
     from vlmserve.preprocess.video import VideoSampling, decode_video
 
-    engine = AsyncEngine(str(model), config=EngineConfig())
+    engine = AsyncEngine(str(model), config=EngineConfig(dtype=dtype))
     await engine.start()
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     sampling = VideoSampling(fps=2.0, max_frames=frames)
@@ -116,10 +117,12 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--frames", type=int, default=8)
     parser.add_argument("--size", default="448x252")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "video")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/video-DTYPE")
     args = parser.parse_args()
     size = tuple(int(n) for n in args.size.split("x"))
     assert len(size) == 2
+    args.out = args.out or HERE / "results" / f"video-{args.dtype}"
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,13 +132,14 @@ def main() -> int:
         bar = progress(args.archs.split(","), desc="video bench", unit="family")
         for arch in bar:
             bar.set_postfix_str(arch)
-            results.append(asyncio.run(bench_arch(arch, bench_model(arch, Path(tmp)), clips, args.frames)))
+            results.append(asyncio.run(bench_arch(arch, bench_model(arch, Path(tmp)), clips, args.frames,
+                                                args.dtype)))
     header = ["family (small)", "frames", "prompt tokens", "tokens / frame", "phase 1 ms", "TTFT cold ms",
               "TTFT warm ms", "TTFT text ms"]
     body = [[r["arch"], r["frames"], r["prompt_tokens"], f"{r['tokens_per_frame']:.1f}",
              *(f"{r['ms'][k]:.0f}" for k in ("phase1", "cold", "warm", "text"))] for r in results]
     host = machine(dict(os.environ))
-    report = (f"Video costs ({args.frames} frames of a {args.size} clip, medians of {args.reps}), "
+    report = (f"Video costs, {args.dtype} ({args.frames} frames of a {args.size} clip, medians of {args.reps}), "
               f"{json.dumps(host)}\n\n{_table(header, body)}\n")
     (args.out / "video.json").write_text(json.dumps({"machine": host, "results": results}, indent=1))
     (args.out / "video.md").write_text(report)
