@@ -97,6 +97,11 @@ def gemma4() -> Iterator[tuple[AsyncEngine, asyncio.AbstractEventLoop]]:
     yield from _started("gemma4")
 
 
+@pytest.fixture(scope="module")
+def smolvlm() -> Iterator[tuple[AsyncEngine, asyncio.AbstractEventLoop]]:
+    yield from _started("smolvlm")
+
+
 def _messages(text: str, kinds: tuple[str, ...] = ("video",)) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [*({"type": k} for k in kinds), {"type": "text", "text": text}]}]
 
@@ -172,13 +177,45 @@ def test_videos_batch_with_images_and_text(family, clips):
     assert loop.run_until_complete(together()) == references
 
 
+def test_smolvlm2_sees_a_clip_as_time_stamped_frames(smolvlm, clips):
+    """SmolVLM2 has no video processor in mlx-vlm: the frames go as images (mlx-vlm's frame fallback), in
+    the prompt SmolVLM2 was trained on (transformers' SmolVLMProcessor: an intro, then each frame's time)."""
+    from mlx_vlm.generate.video import resolve_video_inputs
+    from mlx_vlm.utils import VideoSampling as MlxVlmSampling
+
+    engine, loop = smolvlm
+    prompt = engine.prompter.build(_messages("What happens?"), videos=[decode_video(clips["blue"], SAMPLING, 10**8)])
+    frames = resolve_video_inputs(engine.prompter.processor, [str(clips["blue"])], fps=SAMPLING.fps,
+                                  max_frames=SAMPLING.max_frames, sampling=MlxVlmSampling(max_frames=8)).images
+    assert len(frames) == prompt.num_images == 4  # 2 s at 2 fps
+    stamps = "".join(f"\nFrame from 00:0{t}:" + "{image}" for t in (0, 0, 1, 1))  # frames 0, 6, 13, 19 at 10 fps
+    text = ("You are provided the following series of four frames from a 0:00:02 [H:MM:SS] video.\n" + stamps
+            + "\n\n").split("{image}")
+    parts = [p for chunk in text for p in ({"type": "text", "text": chunk}, {"type": "image"})][:-1]
+    expected = engine.prompter.build([{"role": "user", "content": [*parts, {"type": "text", "text": "What happens?"}]}],
+                                     frames)
+    assert prompt.input_ids == expected.input_ids
+    assert all(np.array_equal(prompt.arrays[k], expected.arrays[k]) for k in expected.arrays)
+    reference = engine.worker.call(reference_greedy, engine.loaded.model, prompt, GREEDY.max_tokens)
+    assert loop.run_until_complete(_tokens(engine, "frames", prompt)) == reference
+
+
+def test_frame_counts_are_written_as_num2words_writes_them():
+    from vlmserve.preprocess.prompt import _words
+
+    assert [_words(n) for n in (4, 21, 32, 100, 105, 999, 1000, 1001, 1234)] == [
+        "four", "twenty-one", "thirty-two", "one hundred", "one hundred and five", "nine hundred and ninety-nine",
+        "one thousand", "one thousand and one", "one thousand, two hundred and thirty-four"]
+
+
 # -- the API ----------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, clips) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("video-server")
-    models = [build_model("qwen2_5_vl", "micro"), build_model("gemma4", "micro"), build_model("smolvlm", "micro")]
+    models = [build_model("qwen2_5_vl", "micro"), build_model("gemma4", "micro"), build_model("smolvlm", "micro"),
+              build_model("llava", "micro")]
     args = [a for m in models for a in ("--model", str(m))]
     args += ["--allowed-media-dir", str(clips["red"].parent), "--video-max-frames", "16",
              "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 1})]
@@ -204,7 +241,7 @@ def _count(server: ServerProcess, model: str, messages: list[dict[str, Any]], **
     return int(r.json()["count"])
 
 
-@pytest.mark.parametrize("model", ["qwen2_5_vl", "gemma4"])
+@pytest.mark.parametrize("model", ["qwen2_5_vl", "gemma4", "smolvlm"])
 def test_a_video_chat_through_the_openai_sdk(server, clips, model):
     name = build_model(model, "micro").name
     client = _client(server)
@@ -235,7 +272,7 @@ def test_fps_and_max_frames_choose_the_frames(server, clips):
 
 
 @pytest.mark.parametrize("case, model, messages, extra, status, words", [
-    ("no video processor", "smolvlm", "red", {}, 400, "does not take video"),
+    ("no video processor", "llava", "red", {}, 400, "does not take video"),
     ("image and video on Qwen", "qwen2_5_vl", "red+image", {}, 400, "images or a video in one prompt"),
     ("two videos", "gemma4", "red+red", {}, 400, "2 videos is over the limit of 1"),
     ("corrupt", "gemma4", "corrupt", {}, 400, "video 1: not a video"),
@@ -264,7 +301,7 @@ def test_bad_video_requests_are_400s_and_change_nothing(server, clips, case, mod
     error = r.json()["error"]
     assert words in error["message"] and error["type"] == "invalid_request_error", (case, error)
     if case == "no video processor":
-        assert error["code"] == "unsupported_media" and "smolvlm" in error["message"]
+        assert error["code"] == "unsupported_media" and "(llava)" in error["message"]
     ok = httpx.post(server.url + "/v1/chat/completions", timeout=120,
                     json={"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert ok.status_code == 200 and httpx.get(server.url + "/health", timeout=10).status_code == 200

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -130,16 +131,20 @@ def build_prompt(
     template_kwargs: Mapping[str, Any] | None = None,
     image_kwargs: Mapping[str, int] | None = None,
     videos: Sequence[Video] = (),
+    video_frames: bool = False,
 ) -> PromptInputs:
     """Phase 1 for one request: template, tokenize, preprocess images and videos; logs when slow.
 
     ``instructions`` (e.g. "answer in JSON") join the system message, wherever this template keeps it.
+    With ``video_frames``, a video goes as its frames, each an image (``frames_as_images``).
     """
     start = time.perf_counter()
     for kind, given in (("image", len(images)), ("video", len(videos))):
         count = sum(_count_parts(m, kind) for m in messages)
         if count != given:
             raise PromptError(f"{count} {kind} parts in the messages but {given} {kind}s given")
+    if videos and video_frames:
+        messages, images, videos = *frames_as_images(messages, images, videos), ()
     refused = control.refusal(messages, tools, instructions)
     if refused is not None:
         raise PromptError(refused)
@@ -173,6 +178,7 @@ class PromptBuilder:
     image_limit: ProcessorLimit | None = None  # what its processor keeps of an image: decoding stops there
     media_token_ids: frozenset[int] = frozenset()  # image, video and audio placeholders: only phase 1 writes them
     video_sampling: VideoSampling | None = None  # the frames its video processor asks for; None: it takes no video
+    video_frames: bool = False  # a video goes as its frames, each an image (SmolVLM2: no video processor)
     # Copies, not a lock (measured): a copy is 1-6 ms here, ~0.6 s and 24 MiB for a 200k vocabulary, once at start-up;
     # one lock made 4 threads' image prompts 1.45x slower (2 cores) and a decode wait ~0.5 s behind 140k-token ones.
     spares: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue, compare=False, repr=False)
@@ -182,10 +188,12 @@ class PromptBuilder:
     def for_processor(cls, processor: Any, copies: int = 0) -> PromptBuilder:
         """The builder, with ``copies`` processor copies made now (one per pool thread: a copy of a
         large vocabulary's tokenizer is worth making before the first request, not during it)."""
-        takes_video = getattr(processor, "video_processor", None) is not None and getattr(processor, "video_token", None)
+        # A video token but no video processor: SmolVLM2, which was trained on videos as time-stamped frames
+        video_token = isinstance(getattr(processor, "video_token", None), str)
+        frames = video_token and getattr(processor, "video_processor", None) is None
         builder = cls(processor, inspect_template(templater_of(processor)),
                       ControlTokens.of(processor, tokenizer_of(processor)), processor_limit(processor),
-                      media_token_ids(processor), processor_sampling(processor) if takes_video else None)
+                      media_token_ids(processor), processor_sampling(processor) if video_token else None, frames)
         for _ in range(copies):
             builder.spares.put(copy.deepcopy(processor))
         return builder
@@ -197,7 +205,8 @@ class PromptBuilder:
               image_kwargs: Mapping[str, int] | None = None, videos: Sequence[Video] = ()) -> PromptInputs:
         with self._borrowed() as processor:
             return build_prompt(processor, messages, images, tools, self.template, instructions, request_id,
-                                self.control, add_generation_prompt, template_kwargs, image_kwargs, videos)
+                                self.control, add_generation_prompt, template_kwargs, image_kwargs, videos,
+                                self.video_frames)
 
     def opens_reasoning_with(self, template_kwargs: Mapping[str, Any]) -> bool:
         """Whether a prompt rendered with these template variables ends inside ``<think>``: a probe
@@ -257,6 +266,67 @@ def media_token_ids(processor: Any) -> frozenset[int]:
             if isinstance(given, int):
                 found.add(given)
     return frozenset(found)
+
+
+# SmolVLM2's video prompt, as transformers' SmolVLMProcessor writes it (DEFAULT_VIDEO_INTRO and the rest:
+# the frame count in words, the length as H:MM:SS, each frame's time as MM:SS)
+VIDEO_INTRO = "You are provided the following series of {count} frames from a {duration} [H:MM:SS] video.\n"
+FRAME_STAMP = "\nFrame from {stamp}:"
+VIDEO_OUTRO = "\n\n"
+
+
+def frames_as_images(messages: Sequence[dict[str, Any]], images: Sequence[Image.Image],
+                     videos: Sequence[Video]) -> tuple[list[dict[str, Any]], list[Image.Image]]:
+    """Each video part as the text SmolVLM2 was trained on (an intro with the clip's length, then each
+    frame's time stamp and the frame as an image part), its frames joining the images in prompt order."""
+    pictures, clips = iter(images), iter(videos)
+    ordered: list[Image.Image] = []
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(dict(message))
+            continue
+        parts: list[dict[str, Any]] = []
+        for part in content:
+            if part.get("type") == "image":
+                ordered.append(next(pictures))
+                parts.append(part)
+            elif part.get("type") == "video":
+                clip = next(clips)
+                length = timedelta(seconds=int(clip.source_frames / clip.source_fps))
+                parts.append({"type": "text", "text": VIDEO_INTRO.format(count=_words(len(clip.indices)),
+                                                                         duration=length)})
+                for index, frame in zip(clip.indices, clip.frames):
+                    minutes, seconds = divmod(int(index / clip.source_fps), 60)
+                    parts.append({"type": "text", "text": FRAME_STAMP.format(stamp=f"{minutes:02d}:{seconds:02d}")})
+                    parts.append({"type": "image"})
+                    ordered.append(Image.fromarray(np.ascontiguousarray(frame.transpose(1, 2, 0))))
+                parts.append({"type": "text", "text": VIDEO_OUTRO})
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out, ordered
+
+
+_ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+         "seventeen eighteen nineteen").split()
+_TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()
+
+
+def _words(n: int) -> str:
+    """``n`` (0 to 9999) in English words, as ``num2words`` writes them: 32 is "thirty-two", 105 "one
+    hundred and five"."""
+    if n >= 1000:
+        rest = n % 1000
+        return f"{_words(n // 1000)} thousand" + ("" if not rest else f" and {_words(rest)}" if rest < 100
+                                                  else f", {_words(rest)}")
+    if n >= 100:
+        rest = n % 100
+        return f"{_ONES[n // 100]} hundred" + (f" and {_words(rest)}" if rest else "")
+    if n >= 20:
+        return _TENS[n // 10 - 2] + (f"-{_ONES[n % 10]}" if n % 10 else "")
+    return _ONES[n]
 
 
 def _count_parts(message: dict[str, Any], kind: str) -> int:
