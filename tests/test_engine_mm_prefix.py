@@ -121,6 +121,13 @@ def test_the_flag_through_the_server_and_the_openai_client(tmp_path):
         assert seen["vlmserve_mm_prefix_cache_hits_total"] == 1 and seen["vlmserve_mm_prefix_cache_misses_total"] == 1
         assert seen["vlmserve_mm_prefix_cache_hit_tokens_total"] == reused
         assert seen["vlmserve_mm_prefix_cache_entries"] >= 1 and seen["vlmserve_mm_prefix_cache_bytes"] > 0
+        asked_tokens = first.usage.prompt_tokens + later.usage.prompt_tokens
+        assert seen["vlmserve_mm_prefix_cache_query_tokens_total"] == asked_tokens
+        vllm = {m.group(1): float(m.group(2)) for m in re.finditer(r'^(vllm:prefix_cache_\w+)\{model_name="[^"]+"\} (\S+)$',
+                                                                   metrics, re.M)}
+        # vLLM's counters: tokens, over both stores (the caches start empty after the warm-up)
+        assert vllm["vllm:prefix_cache_queries_total"] == asked_tokens
+        assert vllm["vllm:prefix_cache_hits_total"] == reused
     finally:
         server.stop()
 
@@ -197,3 +204,50 @@ def test_four_turns_with_a_second_picture_in_turn_three_batched_with_other_traff
     cached, cold = asyncio.run(scenario(True)), asyncio.run(scenario(False))
     assert [t for t, _ in cached] == [t for t, _ in cold]
     assert cached[0][1] < 0 and all(n > 0 for _, n in cached[1:]), [n for _, n in cached]
+
+
+def test_the_stores_count_against_the_kv_budget_and_give_way_to_requests():
+    """Six image chats fill the image-keyed store; then a budget that holds four long requests and none
+    of it. The requests are admitted (the store drops its prefixes, least recently used first), a later
+    turn that reused a prefix just before it was dropped still answers as cold (it holds a copy), and at
+    every step the stores and the running requests' reservations hold no more than the budget together."""
+    model = build_model("qwen2_5_vl", "micro")
+    pictures = [scene(kind, (40 * i, 200 - 30 * i, 90)) for i, kind in enumerate(
+        ("circle", "square", "triangle", "circle", "square", "triangle"))]
+    long = SamplingParams(max_tokens=160, ignore_eos=True)
+
+    async def scenario(mm: bool) -> tuple[list[list[int]], list[int], Any]:
+        async with running_engine(model, mm_prefix_cache=mm, max_batch_size=8) as engine:
+            first = [await _run(engine, f"chat{i}", _turns("")[:1], [p]) for i, p in enumerate(pictures)]
+            limit = 4 * engine.kv.footprint.row_bytes(300)  # four long requests (and the turn) fit; no stored prefix
+
+            def set_budget() -> None:
+                engine.kv.limit_bytes = limit
+
+            await engine.worker.run(set_budget)
+            overs: list[int] = []
+
+            def watch(m: Any) -> None:
+                stored = sum(s.bytes for s in (m.prefix, m.mm_prefix) if s is not None)
+                overs.append(m.kv_reserved_bytes + stored - limit)
+
+            engine.on_step = watch
+
+            async def text(i: int) -> list[int]:
+                out = []
+                async for step in engine.generate_chat(f"long{i}", [{"role": "user", "content": f"Count to {i}."}],
+                                                       [], None, long):
+                    out += step.token_ids
+                return out
+
+            later = _turns("An answer.")
+            results = await asyncio.gather(_run(engine, "turn2", later, [pictures[0]]), *(text(i) for i in range(4)))
+            return [first_turn for first_turn, _ in first] + [results[0][0], *results[1:]], overs, \
+                ((await engine.stats()).mm_prefix, results[0][1])
+
+    cached, overs, (stats, reused) = asyncio.run(scenario(True))
+    cold, _, _ = asyncio.run(scenario(False))
+    assert cached == cold
+    assert reused > 0  # looked up as it was admitted, before the long requests made room
+    assert overs and max(overs) <= 0, max(overs)
+    assert stats.budget_evictions >= 6

@@ -55,6 +55,12 @@ class FakeCaches:
         n = sum(item.key not in self.images for item in prompt.images) if prompt.images else prompt.num_images
         return n, 3 * n
 
+    def held_bytes(self) -> int:
+        return 0  # the stores' share of the KV budget: tested on the real caches (test_engine_mm_prefix.py)
+
+    def release(self, n_bytes: int) -> None:
+        raise AssertionError("nothing is held, so nothing is ever released")
+
 
 def _step(s: Scheduler, sampled: dict[str, int] | None = None, errors: dict[str, str] | None = None,
           lengths: dict[str, int] | None = None) -> tuple[SchedulerOutput, list[RequestUpdate]]:

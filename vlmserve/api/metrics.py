@@ -29,19 +29,33 @@ _GAUGES = {
     "mm_prefix_entries": ("vlmserve_mm_prefix_cache_entries", None, "Image prompts whose KV the image-keyed prefix "
                           "cache holds"),
 }
+# key: (our name, vLLM's name or None, help); counters, so each gets ``_total``
 _COUNTERS = {
-    "prefix_hits": ("vlmserve_prefix_cache_hits", "Text prompts that reused a cached prefix"),
-    "prefix_misses": ("vlmserve_prefix_cache_misses", "Text prompts that found no cached prefix"),
-    "prefix_hit_tokens": ("vlmserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
-    "stalled": ("vlmserve_stalled_requests", "Requests aborted because their client stopped reading"),
-    "vision_hits": ("vlmserve_vision_cache_hits", "Images whose features came from the vision cache"),
-    "vision_misses": ("vlmserve_vision_cache_misses", "Images encoded by the vision tower (then cached)"),
-    "vision_evictions": ("vlmserve_vision_cache_evictions", "Images' features dropped to stay within the budget"),
-    "vision_seconds": ("vlmserve_vision_seconds", "Seconds spent embedding image prompts (vision tower and merge)"),
-    "mm_prefix_hits": ("vlmserve_mm_prefix_cache_hits", "Image prompts that reused a cached prefix (--mm-prefix-cache)"),
-    "mm_prefix_misses": ("vlmserve_mm_prefix_cache_misses", "Image prompts that found no cached prefix"),
-    "mm_prefix_hit_tokens": ("vlmserve_mm_prefix_cache_hit_tokens", "Image prompts' tokens served from the "
+    "prefix_hits": ("vlmserve_prefix_cache_hits", None, "Text prompts that reused a cached prefix"),
+    "prefix_misses": ("vlmserve_prefix_cache_misses", None, "Text prompts that found no cached prefix"),
+    "prefix_hit_tokens": ("vlmserve_prefix_cache_hit_tokens", None, "Prompt tokens served from the prefix cache"),
+    "prefix_query_tokens": ("vlmserve_prefix_cache_query_tokens", None, "Text prompts' tokens looked up in the prefix "
+                            "cache"),
+    "stalled": ("vlmserve_stalled_requests", None, "Requests aborted because their client stopped reading"),
+    "vision_hits": ("vlmserve_vision_cache_hits", None, "Images whose features came from the vision cache"),
+    "vision_misses": ("vlmserve_vision_cache_misses", None, "Images encoded by the vision tower (then cached)"),
+    "vision_evictions": ("vlmserve_vision_cache_evictions", None, "Images' features dropped to stay within the budget"),
+    "vision_seconds": ("vlmserve_vision_seconds", None, "Seconds spent embedding image prompts (vision tower and "
+                       "merge)"),
+    "mm_prefix_hits": ("vlmserve_mm_prefix_cache_hits", None, "Image prompts that reused a cached prefix "
+                       "(--mm-prefix-cache)"),
+    "mm_prefix_misses": ("vlmserve_mm_prefix_cache_misses", None, "Image prompts that found no cached prefix"),
+    "mm_prefix_hit_tokens": ("vlmserve_mm_prefix_cache_hit_tokens", None, "Image prompts' tokens served from the "
                              "image-keyed prefix cache"),
+    "mm_prefix_query_tokens": ("vlmserve_mm_prefix_cache_query_tokens", None, "Image prompts' tokens looked up in "
+                               "the image-keyed prefix cache"),
+    "prefix_budget_evictions": ("vlmserve_prefix_cache_budget_evictions", None, "Cached prefixes (text and "
+                                "image-keyed) dropped to give the KV budget to running requests"),
+    # vLLM's prefix-cache counters count tokens, over every prompt: both stores here
+    "all_query_tokens": ("vlmserve_prefix_cache_all_query_tokens", "vllm:prefix_cache_queries",
+                         "Prompt tokens looked up in a prefix cache (text and image-keyed)"),
+    "all_hit_tokens": ("vlmserve_prefix_cache_all_hit_tokens", "vllm:prefix_cache_hits",
+                       "Prompt tokens served from a prefix cache (text and image-keyed)"),
 }
 
 
@@ -56,12 +70,17 @@ def _engine_values(engine: Any) -> tuple[dict[str, float], dict[str, float]] | N
     prefix, vision, mm = m.prefix, m.vision, m.mm_prefix
     gauges.update(vision_bytes=vision.bytes if vision else 0, vision_entries=vision.entries if vision else 0,
                   mm_prefix_bytes=mm.bytes if mm else 0, mm_prefix_entries=mm.entries if mm else 0)
+    stores = [store for store in (prefix, mm) if store is not None]
     counters = {"prefix_hits": prefix.hits if prefix else 0, "prefix_misses": prefix.misses if prefix else 0,
-                "prefix_hit_tokens": prefix.hit_tokens if prefix else 0, "stalled": engine.stalled,
+                "prefix_hit_tokens": prefix.hit_tokens if prefix else 0,
+                "prefix_query_tokens": prefix.query_tokens if prefix else 0, "stalled": engine.stalled,
                 "vision_hits": vision.hits if vision else 0, "vision_misses": vision.misses if vision else 0,
                 "vision_evictions": vision.evictions if vision else 0, "vision_seconds": m.vision_seconds,
                 "mm_prefix_hits": mm.hits if mm else 0, "mm_prefix_misses": mm.misses if mm else 0,
-                "mm_prefix_hit_tokens": mm.hit_tokens if mm else 0}
+                "mm_prefix_hit_tokens": mm.hit_tokens if mm else 0, "mm_prefix_query_tokens": mm.query_tokens if mm else 0,
+                "prefix_budget_evictions": sum(store.budget_evictions for store in stores),
+                "all_query_tokens": sum(store.query_tokens for store in stores),
+                "all_hit_tokens": sum(store.hit_tokens for store in stores)}
     return gauges, counters
 
 
@@ -74,7 +93,8 @@ class _EngineCollector:
     def collect(self) -> Iterator[Metric]:
         ours = {k: GaugeMetricFamily(n, h, labels=["model"]) for k, (n, _, h) in _GAUGES.items()}
         vllm = {k: GaugeMetricFamily(v, h, labels=["model_name"]) for k, (_, v, h) in _GAUGES.items() if v}
-        counters = {k: CounterMetricFamily(n, h, labels=["model"]) for k, (n, h) in _COUNTERS.items()}
+        counters = {k: CounterMetricFamily(n, h, labels=["model"]) for k, (n, _, h) in _COUNTERS.items()}
+        theirs = {k: CounterMetricFamily(v, h, labels=["model_name"]) for k, (_, v, h) in _COUNTERS.items() if v}
         for name, engine in self._engines():
             values = _engine_values(engine)
             if values is None:
@@ -85,7 +105,9 @@ class _EngineCollector:
                     vllm[key].add_metric([name], value)
             for key, value in values[1].items():
                 counters[key].add_metric([name], value)
-        yield from (*ours.values(), *vllm.values(), *counters.values())
+                if key in theirs:
+                    theirs[key].add_metric([name], value)
+        yield from (*ours.values(), *vllm.values(), *counters.values(), *theirs.values())
 
 
 class ServerMetrics:

@@ -58,6 +58,17 @@ class EngineCaches:
         if store is not None and key is not None:
             store.store(key, cache)
 
+    def held_bytes(self) -> int:
+        """The KV the prefix stores hold (counted against the KV budget, with the running requests')."""
+        return sum(store.nbytes for store in (self.prefix, self.mm_prefix) if store is not None)
+
+    def release(self, n_bytes: int) -> None:
+        """Give ``n_bytes`` of the stores' KV back to the budget: least recently used prefixes first,
+        the image-keyed store's before the text store's."""
+        for store in (self.mm_prefix, self.prefix):
+            if store is not None and n_bytes > 0:
+                n_bytes -= store.release(n_bytes)
+
     def uncached_images(self, prompt: PromptInputs) -> tuple[int, int]:
         """The prompt's images that need the vision tower, and their pixel values (what the tower's
         time follows): all of them where features are not kept per image."""

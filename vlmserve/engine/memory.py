@@ -6,8 +6,10 @@ need is its prompt plus ``max_tokens`` (capped at the context): reserved up fron
 was admitted can always run to its end. The bytes per position are measured once, after the
 warm-up, from a real prefilled cache of the model's own layer types: full attention grows with
 every position, sliding-window layers stop at their window, recurrent and convolution state
-(Qwen3.5, LFM2-VL) is a fixed cost per row. The prefix cache has its own bound
-(``prefix_cache_bytes``) and is not counted here.
+(Qwen3.5, LFM2-VL) is a fixed cost per row. The prefix stores (text, and image-keyed) have their own
+bounds and count against this budget too: the scheduler drops their least recently used prefixes
+when a batch that fits without them needs the room, and after a store, so that the stores and the
+running requests' reservations never hold more than the budget together.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ class PrefixCacheStats:
     hits: int
     misses: int
     hit_tokens: int
+    query_tokens: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries; hit_tokens its hits)
+    budget_evictions: int = 0  # entries dropped to give the KV budget to running requests
 
 
 class PrefixCache:
@@ -34,9 +36,12 @@ class PrefixCache:
         self.hits = 0
         self.misses = 0
         self.hit_tokens = 0
+        self.query_tokens = 0
+        self.budget_evictions = 0
 
     def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         """A private copy of the longest cached prefix's KV and its length (at least one token is left)."""
+        self.query_tokens += len(tokens)
         cache, rest = self._lru.fetch_nearest_cache(_KEY, tokens)
         cached = len(tokens) - len(rest)
         if cache is not None and cached == len(tokens):
@@ -57,5 +62,18 @@ class PrefixCache:
         """Keep a finished prefill's KV; the caller must not mutate ``cache`` afterwards."""
         self._lru.insert_cache(_KEY, list(tokens), cache)
 
+    @property
+    def nbytes(self) -> int:
+        return int(self._lru.nbytes)
+
+    def release(self, n_bytes: int) -> int:
+        """Drop least recently used entries until ``n_bytes`` are freed (or none is left); the bytes freed.
+        A request that reused an entry holds its own copy: dropping the entry never touches it."""
+        before, entries = self.nbytes, len(self._lru)
+        self._lru.trim_to(n_bytes=before - n_bytes)
+        self.budget_evictions += entries - len(self._lru)
+        return before - self.nbytes
+
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(len(self._lru), self._lru.nbytes, self.hits, self.misses, self.hit_tokens)
+        return PrefixCacheStats(len(self._lru), self.nbytes, self.hits, self.misses, self.hit_tokens,
+                                self.query_tokens, self.budget_evictions)

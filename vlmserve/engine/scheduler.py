@@ -56,6 +56,10 @@ class CacheBook(Protocol):
 
     def uncached_images(self, prompt: PromptInputs) -> tuple[int, int]: ...
 
+    def held_bytes(self) -> int: ...
+
+    def release(self, n_bytes: int) -> None: ...
+
 
 @dataclass(slots=True, frozen=True)
 class RequestUpdate:
@@ -144,7 +148,7 @@ class Scheduler:
         first token: a burst, or an idle engine) go as fast as ``prefill_chunk`` allows, as they would
         have had none of them started yet."""
         out = SchedulerOutput(finished=self.take_finished())
-        out.new = [self._enter(r) for r in self._admit()]
+        out.new = self._admit()
         decoding = [r for r in self.running if r.encoded and r.prefill_done]
         out.decode = [r.request_id for r in decoding]
         since = min((r.first_token_time or math.inf for r in decoding), default=math.inf)
@@ -171,23 +175,40 @@ class Scheduler:
             if budgets.tokens <= 0:
                 break
 
-    def _admit(self) -> list[Request]:
+    def _admit(self) -> list[NewRequest]:
         """Move waiting requests into free batch slots while the KV budget holds them; a request with
-        forks (n > 1) comes in with them, a slot each."""
+        forks (n > 1) comes in with them, a slot each. Each looks up its cached prefix as it is admitted,
+        before a later admission may make room by dropping cached prefixes."""
         admitted = []
         while self.waiting:
             group = [self.waiting[0], *self.waiting[0].live_forks]
             if len(self.running) + len(group) > self.config.max_batch_size:
                 break
-            if not self.budget.fits([kv_need(r) for r in (*self.running, *group)]):
+            if not self._make_room([kv_need(r) for r in (*self.running, *group)]):
                 break  # first come, first served: the head waits for memory, nobody overtakes it
             self.waiting.popleft()
             for req in group:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 self._by_id[req.request_id] = req
-            admitted.append(group[0])
+            admitted.append(self._enter(group[0]))
         return admitted
+
+    def _make_room(self, needs: list[int]) -> bool:
+        """Whether a batch with these needs fits the KV budget; the prefix stores count against it too,
+        and give way (least recently used first) to a batch that fits without them."""
+        if not self.budget.fits(needs):
+            return False
+        self._within_budget(self.budget.batch_bytes(needs))
+        return True
+
+    def _within_budget(self, reserved: int) -> None:
+        """Shrink the prefix stores until they and ``reserved`` fit the KV budget."""
+        limit = self.budget.limit_bytes
+        if limit is not None and self.caches is not None:
+            over = reserved + self.caches.held_bytes() - limit
+            if over > 0:
+                self.caches.release(over)
 
     def _enter(self, req: Request) -> NewRequest:
         prefix, cached = (None, 0)
@@ -350,6 +371,8 @@ class Scheduler:
             elif (sample := output.samples.get(request_id)) is not None:
                 req.first_token_time = req.first_token_time or now
                 updates.append(self._take(req, sample.token_id))
+        if any(c.store_prefix for c in plan.prefill):
+            self._within_budget(self.kv_reserved_bytes)  # a prefix was stored: the stores grew
         return updates
 
     def _take(self, req: Request, token: int) -> RequestUpdate:
