@@ -35,6 +35,7 @@ class FakeAdapter:
     vision_cache: bool = False
     mm_prefix_exact: bool = False
     mm_prefix_limit: int | None = None
+    trims_cache: bool = True
 
     def can_chunk(self, prompt: PromptInputs) -> bool:
         return not prompt.has_images

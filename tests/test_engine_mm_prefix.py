@@ -67,12 +67,11 @@ def test_a_later_turn_reuses_the_picture_and_answers_as_a_cold_prefill(arch):
     assert cold_cached < 0 and cold_stats.mm_prefix is None and stats.mm_prefix.hits >= 1
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2_vl", "pixtral", "smolvlm", "paligemma"])
+@pytest.mark.parametrize("arch", ["lfm2_vl", "pixtral", "smolvlm", "paligemma"])
 def test_families_where_reuse_is_not_proven_exact_keep_the_default(arch):
-    """Recurrent state (Qwen3.5, LFM2-VL) cannot be cut back to a prefix; Pixtral and SmolVLM have no
-    hash per image yet (their pixel arrays do not split per image; Pixtral's spans are also split by
-    row markers); PaliGemma's prompt tokens see later ones. With the flag they never reuse an image
-    prompt's KV."""
+    """LFM2-VL, Pixtral and SmolVLM have no hash per image yet (their pixel arrays do not split per
+    image; Pixtral's spans are also split by row markers); PaliGemma's prompt tokens see later ones.
+    With the flag they never reuse an image prompt's KV."""
     async def scenario():
         async with running_engine(build_model(arch, "micro"), mm_prefix_cache=True) as engine:
             await _run(engine, "a", _turns("A red circle."), [RED])
@@ -169,7 +168,7 @@ def test_two_chats_with_the_same_words_about_pictures_one_pixel_apart_never_shar
     assert all(n > before for n in reused[2:])  # later turns: each chat's own earlier turns, picture included
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "gemma3", "gemma4", "llava"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "llava"])
 def test_four_turns_with_a_second_picture_in_turn_three_batched_with_other_traffic(arch):
     """Issue 33's exactness check: each turn runs beside a text request and another image request;
     every turn's greedy tokens equal the cache-off engine's, and turns 2-4 report cached tokens."""
@@ -240,8 +239,22 @@ def test_the_stores_count_against_the_kv_budget_and_give_way_to_requests():
                     out += step.token_ids
                 return out
 
-            later = _turns("An answer.")
-            results = await asyncio.gather(_run(engine, "turn2", later, [pictures[0]]), *(text(i) for i in range(4)))
+            started = asyncio.Event()
+
+            async def turn2() -> tuple[list[int], int]:
+                """A later turn of chat 0: it reuses the stored prefix, then the long requests come in."""
+                tokens, cached = [], 0
+                async for out in engine.generate_chat("turn2", _turns("An answer."), [pictures[0]], None, GREEDY):
+                    tokens += out.token_ids
+                    cached = out.num_cached_tokens
+                    started.set()
+                return tokens, cached
+
+            async def after_turn2(i: int) -> list[int]:
+                await started.wait()
+                return await text(i)
+
+            results = await asyncio.gather(turn2(), *(after_turn2(i) for i in range(4)))
             return [first_turn for first_turn, _ in first] + [results[0][0], *results[1:]], overs, \
                 ((await engine.stats()).mm_prefix, results[0][1])
 
@@ -251,3 +264,43 @@ def test_the_stores_count_against_the_kv_budget_and_give_way_to_requests():
     assert reused > 0  # looked up as it was admitted, before the long requests made room
     assert overs and max(overs) <= 0, max(overs)
     assert stats.budget_evictions >= 6
+
+
+@pytest.mark.parametrize("arch, template_kwargs", [("qwen3_5", {}), ("qwen3_5", {"enable_thinking": False}),
+                                                   ("lfm2_vl", {})])
+def test_recurrent_state_is_snapshotted_where_the_next_turn_repeats_the_prompt(arch, template_kwargs):
+    """Qwen3.5 and LFM2-VL keep recurrent (and convolution) state, which a cached prefix cannot be cut
+    back to: each prompt's cache is snapshotted at its stem, before the generation prompt, which the
+    next turn's prompt repeats (the reply is re-rendered after it: Qwen3.5's without its think block,
+    while the live reply followed ``<think>``). On the published templates, each later turn of an
+    8-turn chat (text: the default text prefix cache) reuses exactly the previous prompt's stem and
+    answers as a cold prefill, token for token."""
+    model = build_model(arch, "micro")
+    thinks = arch == "qwen3_5" and template_kwargs.get("enable_thinking", True)
+
+    def turn(k: int) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Hello, can you count shapes?"}]
+        for i in range(1, k):
+            reply = f"<think>\nThe user asked {i} things.\n</think>\n\nYes, {i}." if thinks else f"Yes, {i}."
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"And {i} more?"}]
+        return messages
+
+    async def scenario(cache: bool) -> tuple[list[list[int]], list[int], list[int | None]]:
+        async with running_engine(model, prefix_cache=cache, prefill_chunk=16) as engine:
+            tokens, cached, stems = [], [], []
+            for k in range(1, 9):
+                built = await engine.preprocess(lambda p, k=k: p.build(turn(k), template_kwargs=template_kwargs))
+                out: list[int] = []
+                async for step in engine.generate(f"t{k}", built, GREEDY):
+                    out += step.token_ids
+                    reused = step.num_cached_tokens
+                tokens.append(out)
+                cached.append(reused)
+                stems.append(built.stem)
+            return tokens, cached, stems
+
+    warm, cached, stems = asyncio.run(scenario(True))
+    cold, none, _ = asyncio.run(scenario(False))
+    assert warm == cold and not any(none)
+    assert all(stem is not None for stem in stems)
+    assert cached == [0, *stems[:-1]]  # each turn: all of the previous prompt but its generation prompt

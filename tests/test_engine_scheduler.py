@@ -451,3 +451,28 @@ def test_a_prompt_that_fails_before_it_forks_fails_its_forks():
     assert [(u.request.request_id, u.finish) for u in updates] == [("n2", RequestStatus.FINISHED_ERROR),
                                                                   ("n2-1", RequestStatus.FINISHED_ERROR)]
     assert s.num_running == 0 and sorted(s.take_finished()) == ["n2", "n2-1"]
+
+
+def test_a_cache_that_cannot_be_cut_back_is_stored_at_the_prompts_stem():
+    """With ``snapshots`` (recurrent state), a prompt's chunk ends at its stem and stores there, once;
+    the rest (its generation prompt) follows the next step. Without, the whole prompt stores at its end."""
+    def stemmed(rid: str) -> Request:
+        req = _req(rid, prompt_len=14)
+        req.prompt = PromptInputs(req.prompt.input_ids, stem=10)
+        return req
+
+    caches = FakeCaches()
+    s = _scheduler(stemmed("a"), caches=caches, snapshots=True)
+    plan, _ = _step(s)
+    assert [(c.start, c.end, c.store_prefix) for c in plan.prefill] == [(0, 10, True)]
+    plan, _ = _step(s)
+    assert [(c.start, c.end, c.store_prefix) for c in plan.prefill] == [(10, 14, False)]
+    s = _scheduler(stemmed("b"), caches=caches)
+    plan, _ = _step(s)
+    assert [(c.start, c.end, c.store_prefix) for c in plan.prefill] == [(0, 14, True)]
+    # a stem already computed (a reused prefix reaches past it), or a prompt without one: no snapshot
+    caches.prefixes[tuple(range(12))] = "kv"
+    s = _scheduler(stemmed("c"), _req("d", prompt_len=14), caches=caches, snapshots=True)
+    plan, _ = _step(s)
+    assert [(c.request_id, c.start, c.end, c.store_prefix) for c in plan.prefill] == [("c", 12, 14, False),
+                                                                                     ("d", 12, 14, False)]

@@ -53,10 +53,11 @@ class EngineCaches:
         store, key = self._keyed(prompt)
         return store.lookup(key) if store is not None and key is not None else (None, 0)
 
-    def store_prefix(self, prompt: PromptInputs, cache: list[Any]) -> None:
+    def store_prefix(self, prompt: PromptInputs, cache: list[Any], length: int | None = None) -> None:
+        """Keep ``cache``, the prompt's first ``length`` positions (None: all of them)."""
         store, key = self._keyed(prompt)
         if store is not None and key is not None:
-            store.store(key, cache)
+            store.store(key if length is None else key[:length], cache)
 
     def held_bytes(self) -> int:
         """The KV the prefix stores hold (counted against the KV budget, with the running requests')."""

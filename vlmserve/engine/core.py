@@ -61,7 +61,7 @@ def scheduler_config(adapter: ModelAdapter, config: EngineConfig) -> SchedulerCo
     """The scheduler's view of one model: the engine's budgets and the adapter's layer facts."""
     return SchedulerConfig(config.max_batch_size, config.prefill_chunk, config.stream_prefill_chunk,
                            config.encoder_budget, adapter.num_layers, adapter.layer_starts(),
-                           adapter.num_vision_blocks, adapter.reuses_prefix)
+                           adapter.num_vision_blocks, adapter.reuses_prefix, not adapter.trims_cache)
 
 
 def new_request(loaded: LoadedModel, request_id: str, prompt: PromptInputs, params: SamplingParams,

@@ -98,6 +98,9 @@ class PromptInputs:
     arrays: dict[str, HostArray] = field(default_factory=dict)
     num_images: int = 0
     images: tuple[ImageItem, ...] = ()
+    # The prompt's length before its generation prompt: what the next turn's prompt repeats, where a
+    # cache that cannot be cut back (recurrent state) keeps its prefix. None: not known, or not asked.
+    stem: int | None = None
 
     @property
     def has_images(self) -> bool:

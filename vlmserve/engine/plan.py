@@ -75,7 +75,9 @@ class PrefillChunk:
     end: int
     first_layer: int = 0
     last_layer: int | None = None  # None: through the last layer
-    store_prefix: bool = False  # the prompt ends here and its KV goes into the prefix cache
+    # The cache as it is after this chunk goes into the prefix cache: at the prompt's end, or at its
+    # stem (a snapshot, for caches that cannot be cut back: SchedulerConfig.snapshots)
+    store_prefix: bool = False
     forks: tuple[str, ...] = ()  # the prompt ends here: these requests fork from it (n > 1)
 
     @property

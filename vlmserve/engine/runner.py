@@ -12,6 +12,7 @@ lengths differ. Whole prompts the plan groups share one left-padded forward.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -217,6 +218,8 @@ class ModelRunner:
             logits = self._prefill_tokens(row, embedded, chunk)
         if chunk.end < embedded.inputs_embeds.shape[1]:
             mx.eval([c.state for c in row.cache])
+            if chunk.store_prefix:  # a snapshot at the prompt's stem: the prefill goes on in the row's own
+                self.caches.store_prefix(row.prompt, copy.deepcopy(row.cache), chunk.end)
             return
         mx.eval(logits, [c.state for c in row.cache], embedded.row_state)
         forks = [row.forks[f] for f in chunk.forks]

@@ -45,6 +45,9 @@ class SchedulerConfig:
     layer_starts: tuple[int, ...] | None = None  # where a layer piece may start; None: at any layer
     vision_blocks: int = 0  # the vision tower's blocks, where one image may go a few a step (0: whole)
     reuses_prefix: bool = True  # may a cached text prefix's KV serve a longer prompt (the adapter says)
+    # The cache cannot be cut back (recurrent state): a prompt's prefix is stored as a snapshot at its
+    # stem (before the generation prompt, what the next turn repeats), not at its end.
+    snapshots: bool = False
 
 
 class CacheBook(Protocol):
@@ -289,11 +292,14 @@ class Scheduler:
             n = min(end - start, max(budgets.tokens, 0))
             if req.params.prompt_logprobs is not None:  # logits for every position: [n, vocab] floats
                 n = min(n, SCORED_CHUNK)
+            stem = self._stem(req)
+            if stem is not None and start + n > stem:
+                n = stem - start  # the chunk ends where the snapshot is taken
             budgets.spend(n)
             return self._tokens_chunk(req, start, start + n) if n > 0 else None
         if not req.num_computed_layers and (end - start <= budgets.tokens or (start and first)):
             budgets.spend(end - start)  # whole; after a reused prefix, layer pieces cannot start
-            return self._tokens_chunk(req, start, end)
+            return self._tokens_chunk(req, start, end)  # (no snapshot: a whole prompt's end is not its stem)
         if start:
             return None
         if budgets.layer_split_busy and not req.num_computed_layers:
@@ -305,13 +311,21 @@ class Scheduler:
         budgets.spend(-(-(end - start) * (layers[1] - layers[0]) // self.config.num_layers))
         last = None if layers[1] >= self.config.num_layers else layers[1]
         return PrefillChunk(req.request_id, start, end, layers[0], last,
-                            store_prefix=last is None and self._prefix_cacheable(req),
+                            store_prefix=last is None and self._prefix_cacheable(req) and not self.config.snapshots,
                             forks=self._forks(req) if last is None else ())
 
     def _tokens_chunk(self, req: Request, start: int, end: int) -> PrefillChunk:
         ends = end == req.num_prompt_tokens
-        return PrefillChunk(req.request_id, start, end, store_prefix=ends and self._prefix_cacheable(req),
-                            forks=self._forks(req) if ends else ())
+        stores = end == self._stem(req) if self.config.snapshots else ends and self._prefix_cacheable(req)
+        return PrefillChunk(req.request_id, start, end, store_prefix=stores, forks=self._forks(req) if ends else ())
+
+    def _stem(self, req: Request) -> int | None:
+        """Where the snapshot of ``req``'s cache is taken, if one is still to be (``snapshots``): its
+        stem, when the prompt may reuse and keep prefixes and the stem lies ahead of what is computed."""
+        stem = req.prompt.stem
+        if not self.config.snapshots or stem is None or req.num_prompt_tokens != len(req.prompt):
+            return None
+        return stem if req.num_computed_tokens < stem < req.num_prompt_tokens and self._prefix_cacheable(req) else None
 
     @staticmethod
     def _forks(req: Request) -> tuple[str, ...]:

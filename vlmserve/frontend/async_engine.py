@@ -126,7 +126,8 @@ class AsyncEngine:
                 owner.chat_template = self.config.chat_template
         loaded = time.perf_counter()
         self.prompter = await asyncio.get_running_loop().run_in_executor(
-            self._pool, PromptBuilder.for_processor, self.loaded.processor, self.config.preprocess_threads)
+            self._pool, PromptBuilder.for_processor, self.loaded.processor, self.config.preprocess_threads,
+            not self.loaded.adapter.trims_cache)
         self.tokenizer = await asyncio.get_running_loop().run_in_executor(
             self._pool, copy.deepcopy, self.loaded.tokenizer)
         self.tool_format = self._tool_format()

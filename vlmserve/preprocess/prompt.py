@@ -10,7 +10,7 @@ import queue
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -109,6 +109,18 @@ def encode(processor: Any, text: str, images: Sequence[Image.Image] = (),
                         images=image_items(arrays, len(images), len(ids), len(videos)))
 
 
+def _stem(tokenizer: Any, ids: list[int], text: str, bare: str) -> int | None:
+    """How many of ``ids`` (``text`` tokenized) come before the generation prompt: ``text`` is ``bare``
+    (the same messages rendered without it) and then the generation prompt, whose tokens end ``ids``.
+    None where the template does not render that way or the tokens do not split there."""
+    if not text.startswith(bare) or len(text) == len(bare):
+        return None
+    suffix = [int(i) for i in tokenizer(text[len(bare):], add_special_tokens=False)["input_ids"]]
+    if not suffix or len(suffix) >= len(ids) or ids[-len(suffix):] != suffix:
+        return None
+    return len(ids) - len(suffix)
+
+
 def _without_doubled_bos(tokenizer: Any, text: str) -> str:
     """A template that writes BOS, for a tokenizer that adds one too (Gemma, Llama): keep one."""
     bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
@@ -132,11 +144,13 @@ def build_prompt(
     image_kwargs: Mapping[str, int] | None = None,
     videos: Sequence[Video] = (),
     video_frames: bool = False,
+    stems: bool = False,
 ) -> PromptInputs:
     """Phase 1 for one request: template, tokenize, preprocess images and videos; logs when slow.
 
     ``instructions`` (e.g. "answer in JSON") join the system message, wherever this template keeps it.
-    With ``video_frames``, a video goes as its frames, each an image (``frames_as_images``).
+    With ``video_frames``, a video goes as its frames, each an image (``frames_as_images``). With
+    ``stems``, the prompt says where its generation prompt starts (``PromptInputs.stem``).
     """
     start = time.perf_counter()
     for kind, given in (("image", len(images)), ("video", len(videos))):
@@ -154,6 +168,9 @@ def build_prompt(
         prompt = encode(processor, text, images, image_kwargs, videos)
     except Exception as exc:  # noqa: BLE001 - e.g. image tokens typed into the text: the input's fault
         raise PromptError(f"could not process the prompt: {type(exc).__name__}: {exc}") from exc
+    if stems and add_generation_prompt:
+        bare = render_chat(processor, messages, tools, False, template_kwargs, bool(videos))
+        prompt = replace(prompt, stem=_stem(tokenizer_of(processor), prompt.input_ids, text, bare))
     if videos and "pixel_values_videos" not in prompt.arrays:
         raise PromptError("the chat template wrote no video placeholder for the video")
     elapsed = time.perf_counter() - start
@@ -179,13 +196,14 @@ class PromptBuilder:
     media_token_ids: frozenset[int] = frozenset()  # image, video and audio placeholders: only phase 1 writes them
     video_sampling: VideoSampling | None = None  # the frames its video processor asks for; None: it takes no video
     video_frames: bool = False  # a video goes as its frames, each an image (SmolVLM2: no video processor)
+    stems: bool = False  # each prompt says where its generation prompt starts (for recurrent caches' snapshots)
     # Copies, not a lock (measured): a copy is 1-6 ms here, ~0.6 s and 24 MiB for a 200k vocabulary, once at start-up;
     # one lock made 4 threads' image prompts 1.45x slower (2 cores) and a decode wait ~0.5 s behind 140k-token ones.
     spares: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue, compare=False, repr=False)
     reasoning_probes: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def for_processor(cls, processor: Any, copies: int = 0) -> PromptBuilder:
+    def for_processor(cls, processor: Any, copies: int = 0, stems: bool = False) -> PromptBuilder:
         """The builder, with ``copies`` processor copies made now (one per pool thread: a copy of a
         large vocabulary's tokenizer is worth making before the first request, not during it)."""
         # A video token but no video processor: SmolVLM2, which was trained on videos as time-stamped frames
@@ -193,7 +211,8 @@ class PromptBuilder:
         frames = video_token and getattr(processor, "video_processor", None) is None
         builder = cls(processor, inspect_template(templater_of(processor)),
                       ControlTokens.of(processor, tokenizer_of(processor)), processor_limit(processor),
-                      media_token_ids(processor), processor_sampling(processor) if video_token else None, frames)
+                      media_token_ids(processor), processor_sampling(processor) if video_token else None, frames,
+                      stems)
         for _ in range(copies):
             builder.spares.put(copy.deepcopy(processor))
         return builder
@@ -206,7 +225,7 @@ class PromptBuilder:
         with self._borrowed() as processor:
             return build_prompt(processor, messages, images, tools, self.template, instructions, request_id,
                                 self.control, add_generation_prompt, template_kwargs, image_kwargs, videos,
-                                self.video_frames)
+                                self.video_frames, self.stems)
 
     def opens_reasoning_with(self, template_kwargs: Mapping[str, Any]) -> bool:
         """Whether a prompt rendered with these template variables ends inside ``<think>``: a probe

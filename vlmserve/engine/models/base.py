@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import can_trim_prompt_cache
 from mlx_vlm.generate.ar import (
     _is_sequence_aligned_prompt_kwarg,
     _make_cache,
@@ -71,6 +72,9 @@ class ModelAdapter:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.language_model = model.language_model
+        # Can a cache be cut back to a shorter prefix? Not recurrent or convolution state (Qwen3.5,
+        # LFM2-VL): a cached prefix must then be a snapshot taken at exactly the position it ends at.
+        self.trims_cache = bool(can_trim_prompt_cache(self.make_cache()))
 
     @property
     def mm_prefix_exact(self) -> bool:

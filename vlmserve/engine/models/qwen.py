@@ -43,10 +43,10 @@ class MRoPEAdapter(ModelAdapter):
 
     @property
     def mm_prefix_exact(self) -> bool:
-        # Plain KV caches, image tokens causal, and every chunk's M-RoPE positions from the whole
-        # prompt's grids (tested against whole prefills); not Qwen3.5, whose recurrent layers keep
-        # state a prefix cannot be cut from.
-        return str(getattr(self.model.config, "model_type", "")) in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+        # Image tokens causal, and every chunk's M-RoPE positions from the whole prompt's grids (tested
+        # against whole prefills). Qwen3.5's recurrent layers keep state a prefix cannot be cut back to:
+        # its prefixes are snapshots taken at a prompt's stem (SchedulerConfig.snapshots).
+        return str(getattr(self.model.config, "model_type", "")) in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
     def row_state(self, features: dict[str, Any]) -> dict[str, mx.array]:
         deltas = features.get("rope_deltas")
