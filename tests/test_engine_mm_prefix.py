@@ -133,13 +133,17 @@ def test_the_flag_through_the_server_and_the_openai_client(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3"])
 def test_two_chats_with_the_same_words_about_pictures_one_pixel_apart_never_share_kv(arch):
-    """Interleaved turns of two chats whose words are the same and whose pictures differ by one pixel:
-    every answer is the cold prefill's, and a chat's first turn reuses nothing past the text before
-    its picture (the other chat's turns are cached, same tokens, other image)."""
+    """200 interleaved turns: 10 rounds of two 10-turn chats whose words are the same and whose pictures
+    differ by one pixel (another pixel each round; chat a's picture is the same every round). Every
+    answer is the cold prefill's; chat b's first turn never reuses past the text before its picture
+    (chat a's turns are cached: same tokens, other image), and every later turn reuses its own."""
     model = build_model(arch, "micro")
-    other = RED.copy()
-    other.putpixel((40, 40), (0, 0, 0))  # one pixel (its processed pixel values differ: checked below)
-    turns = 8
+    rounds, turns = 10, 10
+
+    def other(r: int) -> Any:
+        picture = RED.copy()
+        picture.putpixel((40 + r, 40), (0, 0, 0))  # one pixel (its processed pixel values differ: checked below)
+        return picture
 
     def prompt(k: int) -> list[dict[str, Any]]:
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
@@ -151,21 +155,24 @@ def test_two_chats_with_the_same_words_about_pictures_one_pixel_apart_never_shar
     async def scenario(mm: bool):
         async with running_engine(model, mm_prefix_cache=mm) as engine:
             out = []
-            for k in range(1, turns + 1):
-                for name, picture in (("a", RED), ("b", other)):
-                    out.append(await _run(engine, f"{name}{k}", prompt(k), [picture]))
-            probe = await engine.preprocess(lambda p: p.build(prompt(1), [other], None))
-            red = await engine.preprocess(lambda p: p.build(prompt(1), [RED], None))
-            assert probe.images[0].key != red.images[0].key  # the model would see two different pictures
+            for r in range(rounds):
+                for k in range(1, turns + 1):
+                    for name, picture in (("a", RED), ("b", other(r))):
+                        out.append(await _run(engine, f"{r}{name}{k}", prompt(k), [picture]))
+            keys = [(await engine.preprocess(lambda p, x=x: p.build(prompt(1), [x], None))).images[0].key
+                    for x in (RED, *(other(r) for r in range(rounds)))]
+            assert len(set(keys)) == rounds + 1  # the model would see a different picture each time
+            probe = await engine.preprocess(lambda p: p.build(prompt(1), [RED], None))
             media = engine.loaded.adapter.media_token_ids()
             return out, next(i for i, t in enumerate(probe.input_ids) if t in media)
 
     cached, before = asyncio.run(scenario(True))
     cold, _ = asyncio.run(scenario(False))
-    assert [tokens for tokens, _ in cached] == [tokens for tokens, _ in cold]
-    reused = [n for _, n in cached]
-    assert reused[0] < 0 and 0 < reused[1] <= before  # b's first turn: a's picture is not b's
-    assert all(n > before for n in reused[2:])  # later turns: each chat's own earlier turns, picture included
+    assert len(cached) == 200 and [tokens for tokens, _ in cached] == [tokens for tokens, _ in cold]
+    for r in range(rounds):
+        reused = [n for _, n in cached[2 * turns * r: 2 * turns * (r + 1)]]
+        assert 0 < reused[1] <= before, (r, reused)  # b's first turn: a's picture is not b's
+        assert all(n > before for n in reused[2:]), (r, reused)  # later turns: each chat's own, picture included
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "llava"])
