@@ -67,11 +67,11 @@ def test_a_later_turn_reuses_the_picture_and_answers_as_a_cold_prefill(arch):
     assert cold_cached < 0 and cold_stats.mm_prefix is None and stats.mm_prefix.hits >= 1
 
 
-@pytest.mark.parametrize("arch", ["lfm2_vl", "pixtral", "smolvlm", "paligemma"])
+@pytest.mark.parametrize("arch", ["lfm2_vl", "smolvlm", "paligemma", "llava_next"])
 def test_families_where_reuse_is_not_proven_exact_keep_the_default(arch):
-    """LFM2-VL, Pixtral and SmolVLM have no hash per image yet (their pixel arrays do not split per
-    image; Pixtral's spans are also split by row markers); PaliGemma's prompt tokens see later ones.
-    With the flag they never reuse an image prompt's KV."""
+    """LFM2-VL and SmolVLM have no hash per image yet (their pixel arrays are tiles that do not split per
+    image by shape alone); PaliGemma's prompt tokens see later ones; LLaVA-NeXT merges more features
+    than it has tokens. With the flag they never reuse an image prompt's KV."""
     async def scenario():
         async with running_engine(build_model(arch, "micro"), mm_prefix_cache=True) as engine:
             await _run(engine, "a", _turns("A red circle."), [RED])
@@ -131,7 +131,7 @@ def test_the_flag_through_the_server_and_the_openai_client(tmp_path):
         server.stop()
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3", "pixtral"])
 def test_two_chats_with_the_same_words_about_pictures_one_pixel_apart_never_share_kv(arch):
     """200 interleaved turns: 10 rounds of two 10-turn chats whose words are the same and whose pictures
     differ by one pixel (another pixel each round; chat a's picture is the same every round). Every
@@ -175,7 +175,8 @@ def test_two_chats_with_the_same_words_about_pictures_one_pixel_apart_never_shar
         assert all(n > before for n in reused[2:]), (r, reused)  # later turns: each chat's own, picture included
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "llava"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "llava",
+                                  "pixtral", "mistral3"])
 def test_four_turns_with_a_second_picture_in_turn_three_batched_with_other_traffic(arch):
     """Issue 33's exactness check: each turn runs beside a text request and another image request;
     every turn's greedy tokens equal the cache-off engine's, and turns 2-4 report cached tokens."""
@@ -311,3 +312,21 @@ def test_recurrent_state_is_snapshotted_where_the_next_turn_repeats_the_prompt(a
     assert warm == cold and not any(none)
     assert all(stem is not None for stem in stems)
     assert cached == [0, *stems[:-1]]  # each turn: all of the previous prompt but its generation prompt
+
+
+@pytest.mark.parametrize("arch", ["pixtral", "mistral3"])
+def test_an_image_padded_beside_a_larger_one_hashes_as_alone(arch):
+    """Pixtral's processor pads a prompt's images to its largest: the item is cut to the image's own
+    size, so its hash (the prefix key's, the vision cache's) does not depend on its companions."""
+    async def keys():
+        async with running_engine(build_model(arch, "micro")) as engine:
+            small = scene("circle", (220, 30, 30)).resize((96, 24))  # wide: fewer rows than the square
+            large = scene("square", (30, 60, 220), size=96)
+            alone = await engine.preprocess(lambda p: p.build(_turns("")[:1], [small], None))
+            parts = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Both?"}]
+            both = await engine.preprocess(lambda p: p.build([{"role": "user", "content": parts}], [small, large], None))
+            return alone, both
+
+    alone, both = asyncio.run(keys())
+    assert both.arrays["pixel_values"].shape[2:] != alone.arrays["pixel_values"].shape[2:]  # padded
+    assert both.images[0].key == alone.images[0].key != both.images[1].key

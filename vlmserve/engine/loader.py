@@ -73,6 +73,7 @@ def load_model(path_or_id: str, name: str | None = None, dtype: str = DEFAULT_DT
         adapter = adapter_for(model, model_type)
     except UnsupportedModelError as exc:
         raise ModelLoadError(f"cannot load model {path_or_id!r}: {exc}") from exc
+    adapter.span_token_ids = _span_token_ids(processor)
     loaded = LoadedModel(
         name=name or path_or_id,
         path=Path(path_or_id),
@@ -171,6 +172,19 @@ def _max_context(config: Any) -> int:
 
 _process_configured = False
 _process_lock = threading.Lock()
+
+
+def _span_token_ids(processor: Any) -> frozenset[int]:
+    """Tokens inside an image's placeholder span besides the image token: Pixtral's and Mistral 3's
+    row breaks and span end (``[IMG_BREAK]``, ``[IMG_END]``), which their processors name."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    ids = set()
+    for name in ("image_break_token", "image_end_token"):
+        token = getattr(processor, name, None)
+        token_id = tokenizer.convert_tokens_to_ids(token) if isinstance(token, str) else None
+        if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
+            ids.add(token_id)
+    return frozenset(ids)
 
 
 def default_kv_budget() -> int:

@@ -10,7 +10,8 @@ How arrays split, read from their shapes:
   patches concatenated; image ``i`` has ``t*h*w`` of them;
 - a tuple of ``pixel_values`` (Gemma 4 with images of different sizes): one entry per image;
 - ``pixel_values`` ``[N, ...]`` (Gemma 3, LLaVA, Gemma 4 with equal sizes): row ``i``;
-- anything else (SmolVLM's tiles, LLaVA-NeXT's patches, Pixtral's sizes): no items, no vision cache.
+- ``image_sizes`` ``[N, 2]`` (Pixtral, Mistral 3): row ``i`` of ``pixel_values`` cut to image ``i``'s size;
+- anything else (SmolVLM's tiles, LLaVA-NeXT's patches, LFM2-VL's tiles): no items, no vision cache.
 
 Videos split by the same rules under their own names (``pixel_values_videos`` with ``video_grid_thw``
 or ``video_position_ids``): a clip is one item, all its frames.
@@ -25,7 +26,7 @@ import numpy as np
 
 from vlmserve.engine.params import HostArray, ImageItem
 
-_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids")
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids", "image_sizes")
 _VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "video_position_ids")
 
 
@@ -52,6 +53,8 @@ def image_items(arrays: Mapping[str, HostArray], num_images: int, num_tokens: in
 def _split(arrays: Mapping[str, HostArray], n: int, pixels: str, grid: str) -> list[dict[str, np.ndarray]] | None:
     if grid in arrays:
         return _split_patches(arrays, pixels, grid)
+    if "image_sizes" in arrays:
+        return _split_sized(arrays, n)
     if isinstance(arrays[pixels], tuple):
         return _split_tuples(arrays, n)
     return _split_rows(arrays, n)
@@ -67,6 +70,18 @@ def _split_patches(arrays: Mapping[str, HostArray], pixels_key: str, grid_key: s
     starts = np.cumsum([0, *counts])
     return [{pixels_key: pixels[a:b], grid_key: grid[i:i + 1]}
             for i, (a, b) in enumerate(zip(starts[:-1], starts[1:]))]
+
+
+def _split_sized(arrays: Mapping[str, HostArray], n: int) -> list[dict[str, np.ndarray]] | None:
+    """Pixtral's and Mistral 3's: every image padded to the prompt's largest, ``image_sizes`` its own
+    height and width. Each item is its image cut to its size, so that its hash is the same whatever
+    other images share its prompt."""
+    pixels, sizes = arrays["pixel_values"], arrays["image_sizes"]
+    if not isinstance(pixels, np.ndarray) or not isinstance(sizes, np.ndarray) or pixels.ndim != 4 \
+            or sizes.shape != (n, 2) or pixels.shape[0] != n:
+        return None
+    return [{"pixel_values": pixels[i:i + 1, :, :h, :w], "image_sizes": sizes[i:i + 1]}
+            for i, (h, w) in enumerate(sizes.tolist())]
 
 
 def _split_tuples(arrays: Mapping[str, HostArray], n: int) -> list[dict[str, np.ndarray]] | None:

@@ -75,6 +75,9 @@ class ModelAdapter:
         # Can a cache be cut back to a shorter prefix? Not recurrent or convolution state (Qwen3.5,
         # LFM2-VL): a cached prefix must then be a snapshot taken at exactly the position it ends at.
         self.trims_cache = bool(can_trim_prompt_cache(self.make_cache()))
+        # Tokens inside an image's placeholder span besides its image token (set by the loader from the
+        # processor: Pixtral's row breaks), so that a span is one run however it is laid out
+        self.span_token_ids: frozenset[int] = frozenset()
 
     @property
     def mm_prefix_exact(self) -> bool:
@@ -90,10 +93,11 @@ class ModelAdapter:
         return int(window) if isinstance(window, int) else None
 
     def media_token_ids(self) -> frozenset[int]:
-        """The image (and video) placeholder token ids the model's config names."""
+        """The image (and video) placeholder token ids the model's config names, and the tokens its
+        processor puts inside a span (``span_token_ids``)."""
         config = self.model.config
         ids = {getattr(config, name, None) for name in ("image_token_id", "image_token_index", "video_token_id")}
-        return frozenset(i for i in ids if isinstance(i, int))
+        return frozenset(i for i in ids if isinstance(i, int)) | self.span_token_ids
 
     def make_cache(self) -> list[Any]:
         """One request's KV cache (mlx-vlm's fallback where the model has no ``make_cache``)."""
