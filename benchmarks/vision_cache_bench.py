@@ -1,12 +1,14 @@
 """[main] Multi-turn chat about one image: TTFT and vision time per turn, vlmserve's vision cache on and off, mlx_vlm.server.
 
-    python benchmarks/vision_cache_bench.py [--dtype float32|bfloat16] [--no-openblas] [--image-size 448]
-        [--reps 6] [--waves 3] [--turns 4] [--max-tokens 24] [--servers on,off,mlx_vlm] [--out DIR] [--plot PNG]
+    python benchmarks/vision_cache_bench.py [--arch qwen2_5_vl|gemma4] [--dtype float32|bfloat16] [--no-openblas]
+        [--image-size 448] [--reps 6] [--waves 3] [--turns 4] [--max-tokens 24] [--servers on,off,mlx_vlm]
+        [--vllm-mlx VENV] [--out DIR] [--plot PNG]
     python benchmarks/vision_cache_bench.py --rerender [--dtype ...] [--out DIR]   # tables and plot again
 
 Builds qwen2_5_vl/small (``ignore_eos=True``: every answer is ``max_tokens`` long on both servers)
 and copies it with a processor bound that keeps a 448x448 image whole (1024 patches, 256 image
-tokens; the small model's own bound is 224x224). Then, one server at a time (vlmserve with the
+tokens; the small model's own bound is 224x224); ``--arch gemma4`` builds gemma4/small and copies it
+with the released models' image budget (280 soft tokens; the small build keeps 70). Then, one server at a time (vlmserve with the
 cache on, vlmserve with ``--vision-cache-mb 0``, ``python -m mlx_vlm.server``), it runs
 conversations of ``--turns`` streamed, greedy turns: turn k sends the image in the first user
 message, the k-1 earlier questions and answers (fixed texts, the same on every server, so that
@@ -17,7 +19,9 @@ is always a miss. Around each turn (c=1) or wave (c=4) it reads vlmserve's /metr
 ``vlmserve_vision_seconds_total`` and of the cache's hits and misses. Writes ``vision_cache.json``
 and ``vision_cache.md`` to DIR (default benchmarks/results/vision-cache-DTYPE) and the plot to
 ``benchmarks/vision_cache_ttft.png``. ``--servers mlx_vlm_apc`` adds mlx_vlm.server with its prefix
-cache (APC) on, ``mm`` vlmserve with its image-keyed prefix cache (``--mm-prefix-cache``) on.
+cache (APC) on, ``mm`` vlmserve with its image-keyed prefix cache (``--mm-prefix-cache``) on,
+``vllm_mlx`` vllm-mlx (``serve --mllm --continuous-batching``, its prefix cache on by default) from the
+venv ``--vllm-mlx`` names (``pip install vllm-mlx==0.6.0 "mlx[cpu]"``).
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ from report import _table
 from vlmserve.progress import Progress, progress
 
 HERE = Path(__file__).resolve().parent
-ARCH, SIZE, MAX_BATCH = "qwen2_5_vl", "small", 8
+SIZE, MAX_BATCH = "small", 8
+VLLM_MLX = HERE / "results" / "venvs" / "vllm-mlx"
+GEMMA4_SOFT_TOKENS = 280  # the released Gemma 4 checkpoints' image budget
 QUESTIONS = ("What is in this picture?", "Which colour covers most of it?",
              "How many round shapes can you see, and where are they?", "Describe the top left corner in one sentence.")
 ANSWER = "The picture shows a few {}-coloured shapes, circles and rectangles, on a plain ground; one overlaps another."
@@ -51,11 +57,12 @@ COUNTERS = {"seconds": "vlmserve_vision_seconds_total", "hits": "vlmserve_vision
             "misses": "vlmserve_vision_cache_misses_total"}
 
 
-def bench_model(dtype: str, image_size: int, root: Path) -> Path:
-    """The small model (float32 copy if asked) whose processor keeps an ``image_size`` square whole."""
+def bench_model(arch: str, dtype: str, image_size: int, root: Path) -> Path:
+    """The small model (float32 copy if asked) whose processor keeps an ``image_size`` square whole
+    (Qwen), or takes the released models' image budget (Gemma 4)."""
     from vlmserve.testing import build_model
 
-    model = build_model(ARCH, SIZE, ignore_eos=True)
+    model = build_model(arch, SIZE, ignore_eos=True)
     if dtype == "float32":
         model = float32_copy(model, root)
     dest = root / f"{model.name}-px{image_size}"
@@ -65,8 +72,10 @@ def bench_model(dtype: str, image_size: int, root: Path) -> Path:
         shutil.copytree(model, tmp)
         path = tmp / "processor_config.json"
         config = json.loads(path.read_text())
-        # max_pixels: the real Qwen2.5-VL processors allow 12.8 M pixels; the small build stops at 224x224.
-        config["image_processor"]["size"]["longest_edge"] = image_size * image_size
+        if arch == "gemma4":
+            config["image_processor"]["max_soft_tokens"] = GEMMA4_SOFT_TOKENS
+        else:  # max_pixels: the real Qwen2.5-VL processors allow 12.8 M pixels; the small build stops at 224x224.
+            config["image_processor"]["size"]["longest_edge"] = image_size * image_size
         path.write_text(json.dumps(config, indent=2))
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
@@ -195,12 +204,15 @@ def bench_server(spec: ServerSpec, port: int, model: Path, args: argparse.Namesp
     return {**out, "loadavg_1m_at_end": os.getloadavg()[0]}
 
 
-def specs(model: Path, port: int) -> dict[str, ServerSpec]:
+def specs(model: Path, port: int, vllm_mlx: Path) -> dict[str, ServerSpec]:
     vlmserve, mlx_vlm = server_specs(model, port, MAX_BATCH)
     off = replace(vlmserve, label="vlmserve cache off", argv=[*vlmserve.argv, "--vision-cache-mb", "0"])
     mm = replace(vlmserve, label="vlmserve mm prefix cache", argv=[*vlmserve.argv, "--mm-prefix-cache"])
+    vllm = ServerSpec("vllm-mlx", [str(vllm_mlx / "bin" / "vllm-mlx"), "serve", str(model), "--mllm",
+                                   "--continuous-batching", "--host", "127.0.0.1", "--port", str(port)], "/v1/models", {})
     return {"on": replace(vlmserve, label="vlmserve cache on"), "off": off, "mm": mm,
-            "mlx_vlm": replace(mlx_vlm, label="mlx_vlm.server"), "mlx_vlm_apc": replace(mlx_vlm, label="mlx_vlm.server APC")}
+            "mlx_vlm": replace(mlx_vlm, label="mlx_vlm.server"), "mlx_vlm_apc": replace(mlx_vlm, label="mlx_vlm.server APC"),
+            "vllm_mlx": vllm}
 
 
 # mlx_vlm.server's automatic prefix cache is off by default; "mlx_vlm_apc" turns it on, in memory only
@@ -212,7 +224,10 @@ def feature_bytes(model: Path, image_size: int, dtype: str) -> dict[str, Any]:
     """What one image's cached features should take: tokens x the language model's width x dtype bytes."""
     config = json.loads((model / "config.json").read_text())
     vision = config["vision_config"]
-    tokens = (image_size // (vision["patch_size"] * vision["spatial_merge_size"])) ** 2
+    if "spatial_merge_size" in vision:  # Qwen: merged patches of the square
+        tokens = (image_size // (vision["patch_size"] * vision["spatial_merge_size"])) ** 2
+    else:  # Gemma 4: its soft-token budget
+        tokens = json.loads((model / "processor_config.json").read_text())["image_processor"]["max_soft_tokens"]
     hidden = config.get("text_config", {}).get("hidden_size") or config["hidden_size"]
     width = 4 if dtype == "float32" else 2
     return {"image_tokens": tokens, "hidden": hidden, "dtype_bytes": width, "bytes": tokens * hidden * width}
@@ -253,7 +268,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         ax.set_xticks(turns)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{ARCH}/{SIZE} {summary['dtype']}, one {summary['image_size']}px image per conversation", fontsize=10)
+    fig.suptitle(f"{summary['arch']}/{SIZE} {summary['dtype']}, one {summary['image_size']}px image per conversation",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -261,6 +277,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "gemma4"])
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"], help="float32: a converted copy")
     parser.add_argument("--no-openblas", action="store_true", help=f"do not LD_PRELOAD {OPENBLAS} into the servers")
     parser.add_argument("--image-size", type=int, default=448)
@@ -268,12 +285,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--waves", type=int, default=3, help="groups of 4 conversations at c=4")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--servers", default="on,off,mlx_vlm", help="which of on, off, mm, mlx_vlm, mlx_vlm_apc, in this order")
-    parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results/vision-cache-DTYPE")
+    parser.add_argument("--servers", default="on,off,mlx_vlm",
+                        help="which of on, off, mm, mlx_vlm, mlx_vlm_apc, vllm_mlx, in this order")
+    parser.add_argument("--vllm-mlx", type=Path, default=VLLM_MLX, help="the venv vllm-mlx is installed in")
+    parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results/vision-cache[-ARCH]-DTYPE")
     parser.add_argument("--plot", type=Path, default=HERE / "vision_cache_ttft.png")
     parser.add_argument("--rerender", action="store_true", help="only redo the numbers per turn, table and plot")
     args = parser.parse_args(argv)
-    out = args.out or HERE / "results" / f"vision-cache-{args.dtype}"
+    arch = "" if args.arch == "qwen2_5_vl" else f"-{args.arch}"
+    out = args.out or HERE / "results" / f"vision-cache{arch}-{args.dtype}"
     out.mkdir(parents=True, exist_ok=True)
     summary = json.loads((out / "vision_cache.json").read_text()) if args.rerender else run(args, out)
     add_turns(summary)
@@ -290,12 +310,12 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", VLMSERVE_NO_OPENBLAS="1")
     if not args.no_openblas and Path(OPENBLAS).exists():
         env["LD_PRELOAD"] = OPENBLAS
-    model = bench_model(args.dtype, args.image_size, HERE / "results" / "models")
+    model = bench_model(args.arch, args.dtype, args.image_size, HERE / "results" / "models")
     port = free_port()
-    chosen = specs(model, port)
+    chosen = specs(model, port, args.vllm_mlx)
     results = [bench_server(chosen[name], port, model, args, {**env, **SERVER_ENV.get(name, {})}, out / f"{name}.log")
                for name in args.servers.split(",")]
-    return {"machine": machine(env), "arch": ARCH, "size": SIZE, "dtype": args.dtype, "image_size": args.image_size,
+    return {"machine": machine(env), "arch": args.arch, "size": SIZE, "dtype": args.dtype, "image_size": args.image_size,
             "model": str(model), "config": {k: getattr(args, k) for k in ("reps", "waves", "turns", "max_tokens")},
             "features": feature_bytes(model, args.image_size, args.dtype), "servers": results}
 
