@@ -49,6 +49,9 @@ class FakeAdapter:
     def layer_starts(self) -> tuple[int, ...] | None:
         return None
 
+    def text_tail(self, prompt: PromptInputs) -> int | None:
+        return None
+
 
 @dataclass
 class FakeRunner:

@@ -330,3 +330,42 @@ def test_an_image_padded_beside_a_larger_one_hashes_as_alone(arch):
     alone, both = asyncio.run(keys())
     assert both.arrays["pixel_values"].shape[2:] != alone.arrays["pixel_values"].shape[2:]  # padded
     assert both.images[0].key == alone.images[0].key != both.images[1].key
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "gemma3"])
+def test_on_gemma_the_text_after_a_reused_prefix_goes_by_tokens(arch):
+    """Gemma's image prompts go by layers (their vision spans attend both ways). Once a reused prefix
+    covers every image, what is left is causal text: it goes in token chunks of ``prefill_chunk`` (16
+    here) instead of one step, and each turn still answers as the cold engine does."""
+    model = build_model(arch, "micro")
+    question = "Tell me more about its colour and its edges, and whether it is round or square, please. " * 2
+
+    def turn(k: int) -> list[dict[str, Any]]:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+        for i in range(1, k):
+            messages += [{"role": "assistant", "content": f"Answer {i}."}, {"role": "user", "content": question}]
+        return messages
+
+    async def scenario(mm: bool) -> tuple[list[list[int]], list[int], list[int]]:
+        async with running_engine(model, mm_prefix_cache=mm, prefill_chunk=16) as engine:
+            steps: list[int] = []  # prompt tokens each step finished (a prompt by layers: all at its last piece)
+            seen = [0]
+
+            def watch(m: Any) -> None:
+                steps.append(m.prompt_tokens - seen[0])
+                seen[0] = m.prompt_tokens
+
+            engine.on_step = watch
+            out, cached = [], []
+            for k in range(1, 4):
+                if k == 2:
+                    steps.clear()
+                tokens, n = await _run(engine, f"t{k}", turn(k), [RED])
+                out.append(tokens)
+                cached.append(n)
+            return out, cached, steps
+
+    warm, cached, steps = asyncio.run(scenario(True))
+    cold, _, cold_steps = asyncio.run(scenario(False))
+    assert warm == cold and all(n > 0 for n in cached[1:])
+    assert max(steps) <= 16 < max(cold_steps), (steps, cold_steps)  # turns 2-3: 16-token chunks, not whole

@@ -71,6 +71,7 @@ def new_request(loaded: LoadedModel, request_id: str, prompt: PromptInputs, para
     if arrival_time is not None:
         req.arrival_time = arrival_time
     req.chunkable, req.batchable = loaded.adapter.can_chunk(prompt), loaded.adapter.can_batch(prompt)
+    req.text_tail = None if req.chunkable else loaded.adapter.text_tail(prompt)
     req.batchable = req.batchable and params.prompt_logprobs is None  # its logits are taken alone
     return req
 

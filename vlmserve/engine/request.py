@@ -118,6 +118,8 @@ class Request:
     encoded: bool = False  # its embedding (vision tower and merge) is made and waits in the runner
     num_encoded_blocks: int = 0  # its image split by vision tower blocks: the blocks done so far
     chunkable: bool = True  # may its prompt be prefilled over several steps by tokens (the model adapter says)
+    # where its prompt may go by tokens after all, once a reused prefix reaches this far (None: never)
+    text_tail: int | None = None
     batchable: bool = True  # may its whole prompt share a left-padded forward with others (the adapter says)
     # Positions the prompt fills: its token count, unless the model's embedding says otherwise
     # (mlx-vlm's LLaVA-NeXT merges more image features than the processor wrote image tokens).

@@ -218,6 +218,8 @@ class Scheduler:
         if self._prefix_cacheable(req) and self.caches is not None:
             prefix, cached = self.caches.lookup_prefix(req.prompt)
         req.num_computed_tokens = req.num_cached_tokens = cached
+        if cached and req.text_tail is not None and cached >= req.text_tail:
+            req.chunkable = True  # what is left is causal text (Gemma's new turn): it goes by tokens
         forks = tuple((f.request_id, f.params) for f in req.forks)
         return NewRequest(req.request_id, req.prompt, req.params, prefix, cached, forks)
 

@@ -111,6 +111,11 @@ class ModelAdapter:
             return False
         return self.chunk_images or not prompt.has_images
 
+    def text_tail(self, prompt: PromptInputs) -> int | None:
+        """Where a prompt that cannot be split by tokens may be, after a reused prefix reaching this far:
+        past its last media token, where only causal text is left (None: nowhere). Off by default."""
+        return None
+
     def embed(self, input_ids: mx.array, arrays: dict[str, Any], cached: dict[str, mx.array] | None = None) -> Embedded:
         """The vision tower and the merge, as mlx-vlm's ``generate_step`` calls them; with ``cached``
         (``join_features``'s keywords) the tower is skipped."""

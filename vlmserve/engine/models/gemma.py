@@ -36,6 +36,9 @@ class Gemma3Adapter(ModelAdapter):
         features: mx.array = self.model.multi_modal_projector(hidden)
         return features
 
+    def text_tail(self, prompt: PromptInputs) -> int | None:
+        return _past_last_media(self, prompt)
+
     def can_batch(self, prompt: PromptInputs) -> bool:
         # With images, mlx-vlm hands the language model a [1, 1, L, L] mask per prompt, which
         # cannot be stacked for prompts of different lengths (its own BatchGenerator fails there).
@@ -52,6 +55,9 @@ class Gemma4Adapter(ModelAdapter):
     @property
     def mm_prefix_exact(self) -> bool:
         return True  # as Gemma 3's
+
+    def text_tail(self, prompt: PromptInputs) -> int | None:
+        return _past_last_media(self, prompt)
 
     def encode_image(self, arrays: dict[str, mx.array]) -> mx.array:
         if "pixel_values_videos" in arrays:  # [1, frames, patches, dim]: the frames go through as a batch
@@ -102,3 +108,11 @@ class PaliGemmaAdapter(ModelAdapter):
         mask = create_attention_mask(tokens, cache, return_array=True)
         logits: mx.array = self.language_model(tokens, cache=cache, mask=mask, **row_state).logits[:, -1, :]
         return logits
+
+
+def _past_last_media(adapter: ModelAdapter, prompt: PromptInputs) -> int | None:
+    """Past a prompt's last media token: only its vision spans attend both ways, so from there a chunk
+    after a cached prefix is causal text (tested against cold prefills)."""
+    media = adapter.media_token_ids()
+    last = max((i for i, t in enumerate(prompt.input_ids) if t in media), default=None)
+    return None if last is None else last + 1
