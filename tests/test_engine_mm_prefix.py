@@ -369,3 +369,23 @@ def test_on_gemma_the_text_after_a_reused_prefix_goes_by_tokens(arch):
     cold, _, cold_steps = asyncio.run(scenario(False))
     assert warm == cold and all(n > 0 for n in cached[1:])
     assert max(steps) <= 16 < max(cold_steps), (steps, cold_steps)  # turns 2-3: 16-token chunks, not whole
+
+
+def test_a_stored_prefix_holds_its_kv_and_no_more():
+    """mlx's KV caches grow in 256-position steps; the store keeps each layer cut to its filled
+    positions, so a stored turn costs exactly its KV (the footprint measured at start-up)."""
+    async def scenario():
+        async with running_engine(build_model("qwen2_5_vl", "micro"), mm_prefix_cache=True) as engine:
+            sizes = []
+            messages = _turns("A red circle.")[:1]
+            for k in range(3):
+                _, n = await _run(engine, f"t{k}", messages, [RED])
+                stats = (await engine.stats()).mm_prefix
+                length = -n if n < 0 else len(await engine.preprocess(lambda p, m=messages: p.build(m, [RED], None)))
+                sizes.append((stats.entries, stats.bytes, engine.kv.footprint.row_bytes(length)))
+                messages = [*messages, {"role": "assistant", "content": "A red circle."},
+                            {"role": "user", "content": f"And {k}?"}]
+            return sizes
+
+    sizes = asyncio.run(scenario())
+    assert all(entries == 1 and stored == kv for entries, stored, kv in sizes), sizes  # a longer turn replaces its prefix

@@ -12,7 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_vlm.models.cache import KVCache as VlmKVCache
+
+_PLAIN_KV = (KVCache, VlmKVCache)  # mlx-lm's and mlx-vlm's own: the same layout (keys [B, heads, capacity, dim])
 
 _KEY = "model"  # LRUPromptCache is keyed by model too; one cache serves one model
 
@@ -59,8 +63,9 @@ class PrefixCache:
         return cache, cached
 
     def store(self, tokens: list[int], cache: list[Any]) -> None:
-        """Keep a finished prefill's KV; the caller must not mutate ``cache`` afterwards."""
-        self._lru.insert_cache(_KEY, list(tokens), cache)
+        """Keep a finished prefill's KV, compacted (``compact``); the caller must not mutate ``cache``
+        afterwards."""
+        self._lru.insert_cache(_KEY, list(tokens), compact(cache))
 
     @property
     def nbytes(self) -> int:
@@ -77,3 +82,20 @@ class PrefixCache:
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(len(self._lru), self.nbytes, self.hits, self.misses, self.hit_tokens,
                                 self.query_tokens, self.budget_evictions)
+
+
+def compact(cache: list[Any]) -> list[Any]:
+    """The cache with each plain KV layer cut to its filled positions. mlx-lm's and mlx-vlm's ``KVCache``
+    grow in 256-position steps, so a stored prompt held up to 255 empty positions per layer (measured: 3.0 MB
+    for 1.7 MB of KV at 294 positions). A layer of any other kind is kept as it is; a later prefill
+    from the compact copy grows it again."""
+    out = []
+    for layer in cache:
+        if type(layer) in _PLAIN_KV and layer.keys is not None and layer.keys.shape[2] > layer.offset:
+            cut = type(layer)()
+            cut.keys, cut.values = layer.keys[..., :layer.offset, :], layer.values[..., :layer.offset, :]
+            cut.offset = layer.offset
+            mx.eval(cut.keys, cut.values)
+            layer = cut
+        out.append(layer)
+    return out
