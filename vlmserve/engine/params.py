@@ -98,8 +98,9 @@ class PromptInputs:
     arrays: dict[str, HostArray] = field(default_factory=dict)
     num_images: int = 0
     images: tuple[ImageItem, ...] = ()
-    # The prompt's length before its generation prompt: what the next turn's prompt repeats, where a
-    # cache that cannot be cut back (recurrent state) keeps its prefix. None: not known, or not asked.
+    # How much of the prompt the next turn's prompt repeats (its stem: at most all of it but the
+    # generation prompt's part the next turn renders otherwise), where a cache that cannot be cut back
+    # (recurrent state) keeps its prefix. None: not known, or not asked.
     stem: int | None = None
 
     @property

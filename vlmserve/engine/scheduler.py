@@ -323,11 +323,12 @@ class Scheduler:
 
     def _stem(self, req: Request) -> int | None:
         """Where the snapshot of ``req``'s cache is taken, if one is still to be (``snapshots``): its
-        stem, when the prompt may reuse and keep prefixes and the stem lies ahead of what is computed."""
+        stem (its end, at most), when the prompt may reuse and keep prefixes and the stem lies ahead of
+        what is computed."""
         stem = req.prompt.stem
         if not self.config.snapshots or stem is None or req.num_prompt_tokens != len(req.prompt):
             return None
-        return stem if req.num_computed_tokens < stem < req.num_prompt_tokens and self._prefix_cacheable(req) else None
+        return stem if req.num_computed_tokens < stem <= req.num_prompt_tokens and self._prefix_cacheable(req) else None
 
     @staticmethod
     def _forks(req: Request) -> tuple[str, ...]:

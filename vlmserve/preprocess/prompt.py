@@ -6,6 +6,7 @@ import copy
 import inspect
 import json
 import logging
+import os
 import queue
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -109,16 +110,26 @@ def encode(processor: Any, text: str, images: Sequence[Image.Image] = (),
                         images=image_items(arrays, len(images), len(ids), len(videos)))
 
 
-def _stem(tokenizer: Any, ids: list[int], text: str, bare: str) -> int | None:
-    """How many of ``ids`` (``text`` tokenized) come before the generation prompt: ``text`` is ``bare``
-    (the same messages rendered without it) and then the generation prompt, whose tokens end ``ids``.
-    None where the template does not render that way or the tokens do not split there."""
-    if not text.startswith(bare) or len(text) == len(bare):
+# The history the next turn renders: this prompt's messages, a reply and a question (placeholders)
+NEXT_TURN = ({"role": "assistant", "content": "vlmserve next reply"}, {"role": "user", "content": "vlmserve next turn"})
+
+
+def _stem(processor: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+          template_kwargs: Mapping[str, Any] | None, videos: bool, ids: list[int], text: str) -> int | None:
+    """How many of the prompt's ``ids`` the next turn's prompt repeats: the part of ``text`` the next
+    turn's rendering of the history begins with (the template re-renders the reply after it: Qwen3.5's
+    without the think block the generation prompt opened; LFM2-VL's exactly as the prompt ends), where
+    the rest of ``text`` tokenizes on its own to the tokens that end ``ids``. A prompt the history
+    repeats whole keeps its last token out (it may merge with the reply's first characters). None where
+    the template renders neither way."""
+    history = render_chat(processor, [*messages, *NEXT_TURN], tools, False, template_kwargs, videos)
+    shared = len(os.path.commonprefix([text, history]))
+    if shared == len(text):
+        return len(ids) - 1
+    rest = [int(i) for i in tokenizer_of(processor)(text[shared:], add_special_tokens=False)["input_ids"]]
+    if not rest or len(rest) >= len(ids) or ids[-len(rest):] != rest:
         return None
-    suffix = [int(i) for i in tokenizer(text[len(bare):], add_special_tokens=False)["input_ids"]]
-    if not suffix or len(suffix) >= len(ids) or ids[-len(suffix):] != suffix:
-        return None
-    return len(ids) - len(suffix)
+    return len(ids) - len(rest)
 
 
 def _without_doubled_bos(tokenizer: Any, text: str) -> str:
@@ -169,8 +180,8 @@ def build_prompt(
     except Exception as exc:  # noqa: BLE001 - e.g. image tokens typed into the text: the input's fault
         raise PromptError(f"could not process the prompt: {type(exc).__name__}: {exc}") from exc
     if stems and add_generation_prompt:
-        bare = render_chat(processor, messages, tools, False, template_kwargs, bool(videos))
-        prompt = replace(prompt, stem=_stem(tokenizer_of(processor), prompt.input_ids, text, bare))
+        prompt = replace(prompt, stem=_stem(processor, messages, tools, template_kwargs, bool(videos), prompt.input_ids,
+                                            text))
     if videos and "pixel_values_videos" not in prompt.arrays:
         raise PromptError("the chat template wrote no video placeholder for the video")
     elapsed = time.perf_counter() - start
