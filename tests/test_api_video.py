@@ -305,3 +305,45 @@ def test_bad_video_requests_are_400s_and_change_nothing(server, clips, case, mod
     ok = httpx.post(server.url + "/v1/chat/completions", timeout=120,
                     json={"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert ok.status_code == 200 and httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "gemma4"])
+def test_a_chat_about_a_clip_reuses_its_kv_where_the_clip_is_one_run(arch, clips):
+    """With ``--mm-prefix-cache``, later turns about a clip reuse the earlier turns' KV, the clip's
+    included, where its placeholders are one run (Qwen2/2.5-VL); Gemma 4 time-stamps each frame (a
+    run per frame), so its turns reuse nothing. Every answer is the cold engine's."""
+    from conftest import running_engine
+
+    video = decode_video(clips["red"], SAMPLING, 10**8)
+
+    def turn(k: int) -> list[dict[str, Any]]:
+        messages = _messages("What happens in this clip?")
+        for i in range(1, k):
+            messages += [{"role": "assistant", "content": f"Answer {i}."}, {"role": "user", "content": f"And {i}?"}]
+        return messages
+
+    async def scenario(mm: bool) -> tuple[list[list[int]], list[int], int, bool]:
+        async with running_engine(build_model(arch, "micro"), mm_prefix_cache=mm, prefill_chunk=16) as engine:
+            tokens, cached = [], []
+            media = engine.loaded.adapter.media_token_ids()
+            for k in range(1, 4):
+                prompt = await engine.preprocess(lambda p, k=k: p.build(turn(k), videos=[video]))
+                after_clip = max(i for i, t in enumerate(prompt.input_ids) if t in media) + 1
+                out: list[int] = []
+                async for step in engine.generate(f"t{k}", prompt, GREEDY):
+                    out += step.token_ids
+                    reused = step.num_cached_tokens
+                tokens.append(out)
+                cached.append(reused)
+            # the same later turn about another clip: nothing past the text before its clip
+            other = await engine.preprocess(lambda p: p.build(turn(3), videos=[decode_video(clips["blue"], SAMPLING,
+                                                                                             10**8)]))
+            before_clip = min(i for i, t in enumerate(other.input_ids) if t in media)
+            async for step in engine.generate("other", other, GREEDY):
+                reused = step.num_cached_tokens
+            return tokens, cached, after_clip, reused > before_clip
+
+    warm, cached, after_clip, crossed = asyncio.run(scenario(True))
+    cold, _, _, _ = asyncio.run(scenario(False))
+    assert warm == cold and not crossed  # the other clip's turn reused nothing past the text before its clip
+    assert all(n > after_clip for n in cached[1:]) if arch != "gemma4" else not any(cached), (cached, after_clip)

@@ -120,11 +120,14 @@ def prefix_key(prompt: PromptInputs, media_ids: frozenset[int]) -> list[int] | N
     """The prompt's token ids with each image's placeholder run written as one id of its own, made
     from the image's content hash (negative: never a real token), so that a cached prefix matches
     only up to the first position where a token or an image differs. None where the images have no
-    hash each or their runs do not pair one to one with them."""
+    hash each or their runs do not pair one to one with them (a clip whose frames are runs of their
+    own: Qwen3-VL's, Qwen3.5's and Gemma 4's time-stamped groups)."""
     if not prompt.has_images:
         return prompt.input_ids
-    if not media_ids or len(prompt.images) != prompt.num_images or prompt.has_videos:
-        return None  # videos: a clip's placeholders are one run per frame group (Qwen3-VL, Gemma 4), not one
+    if not media_ids or len(prompt.images) != prompt.num_images:
+        return None
+    if prompt.has_videos and "pixel_values" in prompt.arrays:
+        return None  # items are images, then videos: runs of both kinds would not pair in prompt order
     key, images, previous_media = [], iter(prompt.images), False
     pseudo = 0
     for token in prompt.input_ids:
