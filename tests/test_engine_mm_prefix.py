@@ -67,11 +67,11 @@ def test_a_later_turn_reuses_the_picture_and_answers_as_a_cold_prefill(arch):
     assert cold_cached < 0 and cold_stats.mm_prefix is None and stats.mm_prefix.hits >= 1
 
 
-@pytest.mark.parametrize("arch", ["lfm2_vl", "smolvlm", "paligemma", "llava_next"])
+@pytest.mark.parametrize("arch", ["smolvlm", "paligemma", "llava_next"])
 def test_families_where_reuse_is_not_proven_exact_keep_the_default(arch):
-    """LFM2-VL and SmolVLM have no hash per image yet (their pixel arrays are tiles that do not split per
-    image by shape alone); PaliGemma's prompt tokens see later ones; LLaVA-NeXT merges more features
-    than it has tokens. With the flag they never reuse an image prompt's KV."""
+    """SmolVLM's image spans hold newline text tokens between tile rows (an image is not one run of the
+    key); PaliGemma's prompt tokens see later ones; LLaVA-NeXT merges more features than it has tokens.
+    With the flag they never reuse an image prompt's KV."""
     async def scenario():
         async with running_engine(build_model(arch, "micro"), mm_prefix_cache=True) as engine:
             await _run(engine, "a", _turns("A red circle."), [RED])
@@ -131,7 +131,7 @@ def test_the_flag_through_the_server_and_the_openai_client(tmp_path):
         server.stop()
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3", "pixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3", "pixtral", "lfm2_vl"])
 def test_two_chats_with_the_same_words_about_pictures_one_pixel_apart_never_share_kv(arch):
     """200 interleaved turns: 10 rounds of two 10-turn chats whose words are the same and whose pictures
     differ by one pixel (another pixel each round; chat a's picture is the same every round). Every
@@ -171,12 +171,14 @@ def test_two_chats_with_the_same_words_about_pictures_one_pixel_apart_never_shar
     assert len(cached) == 200 and [tokens for tokens, _ in cached] == [tokens for tokens, _ in cold]
     for r in range(rounds):
         reused = [n for _, n in cached[2 * turns * r: 2 * turns * (r + 1)]]
-        assert 0 < reused[1] <= before, (r, reused)  # b's first turn: a's picture is not b's
+        # b's first turn: a's picture is not b's (LFM2-VL's recurrent state cannot be cut back to the text
+        # before it: nothing is reused)
+        assert reused[1] <= before and (reused[1] > 0 or arch == "lfm2_vl"), (r, reused)
         assert all(n > before for n in reused[2:]), (r, reused)  # later turns: each chat's own, picture included
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "llava",
-                                  "pixtral", "mistral3"])
+                                  "pixtral", "mistral3", "lfm2_vl"])
 def test_four_turns_with_a_second_picture_in_turn_three_batched_with_other_traffic(arch):
     """Issue 33's exactness check: each turn runs beside a text request and another image request;
     every turn's greedy tokens equal the cache-off engine's, and turns 2-4 report cached tokens."""

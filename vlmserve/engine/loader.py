@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 import warnings
@@ -174,13 +175,20 @@ _process_configured = False
 _process_lock = threading.Lock()
 
 
+_TILE_MARKER = re.compile(r"^<\|img_row_\d+_col_\d+\|>$")  # LFM2-VL's tile positions
+
+
 def _span_token_ids(processor: Any) -> frozenset[int]:
-    """Tokens inside an image's placeholder span besides the image token: Pixtral's and Mistral 3's
-    row breaks and span end (``[IMG_BREAK]``, ``[IMG_END]``), which their processors name."""
+    """Tokens inside an image's placeholder span besides the image token, which the processors name:
+    Pixtral's and Mistral 3's row breaks and span end (``[IMG_BREAK]``, ``[IMG_END]``); LFM2-VL's span
+    start and end, thumbnail and tile markers (``<|img_row_1_col_2|>``...)."""
     tokenizer = getattr(processor, "tokenizer", processor)
+    names = [getattr(processor, name, None) for name in
+             ("image_break_token", "image_end_token", "image_start_token", "image_thumbnail_token")]
+    if isinstance(getattr(processor, "image_thumbnail_token", None), str):  # LFM2-VL's layout: its tile markers
+        names += [t for t in tokenizer.get_vocab() if _TILE_MARKER.match(t)]
     ids = set()
-    for name in ("image_break_token", "image_end_token"):
-        token = getattr(processor, name, None)
+    for token in names:
         token_id = tokenizer.convert_tokens_to_ids(token) if isinstance(token, str) else None
         if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
             ids.add(token_id)

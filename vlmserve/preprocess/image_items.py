@@ -11,7 +11,8 @@ How arrays split, read from their shapes:
 - a tuple of ``pixel_values`` (Gemma 4 with images of different sizes): one entry per image;
 - ``pixel_values`` ``[N, ...]`` (Gemma 3, LLaVA, Gemma 4 with equal sizes): row ``i``;
 - ``image_sizes`` ``[N, 2]`` (Pixtral, Mistral 3): row ``i`` of ``pixel_values`` cut to image ``i``'s size;
-- anything else (SmolVLM's tiles, LLaVA-NeXT's patches, LFM2-VL's tiles): no items, no vision cache.
+- anything else (SmolVLM's tiles, LLaVA-NeXT's patches, LFM2-VL's tiles): no items here, no vision
+  cache; phase 1 then keys each image by its decoded picture (``picture_hash``), arrays-free.
 
 Videos split by the same rules under their own names (``pixel_values_videos`` with ``video_grid_thw``
 or ``video_position_ids``): a clip is one item, all its frames.
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from vlmserve.engine.params import HostArray, ImageItem
 
@@ -103,4 +106,14 @@ def _hash(item: Mapping[str, np.ndarray]) -> str:
         value = np.ascontiguousarray(item[name])
         h.update(f"{name}:{value.dtype.str}:{value.shape};".encode())
         h.update(value.data)
+    return h.hexdigest()
+
+
+def picture_hash(image: Image.Image, kwargs: Mapping[str, Any] | None = None) -> str:
+    """A decoded picture's hash, with the processor keywords it goes with: the key of an image whose
+    processed arrays do not split per image (LFM2-VL's tiles). The processor is deterministic, so equal
+    pictures and keywords give equal arrays; an item with this key carries no arrays of its own."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(f"picture:{image.mode}:{image.size};{sorted((kwargs or {}).items())};".encode())
+    h.update(image.tobytes())
     return h.hexdigest()

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlmserve.engine.params import HostArray, PromptInputs
+from vlmserve.engine.params import HostArray, ImageItem, PromptInputs
 from vlmserve.preprocess.control import ControlTokens
-from vlmserve.preprocess.image_items import image_items
+from vlmserve.preprocess.image_items import image_items, picture_hash
 from vlmserve.preprocess.image_sizes import ProcessorLimit, processor_limit
 from vlmserve.preprocess.template import TemplateInfo, adapt_messages, inspect_template
 from vlmserve.preprocess.video import Video, VideoSampling, processor_sampling
@@ -106,8 +106,10 @@ def encode(processor: Any, text: str, images: Sequence[Image.Image] = (),
         if host is not None:
             arrays[key] = host
     ids = [int(i) for i in np.asarray(out["input_ids"]).reshape(-1)]
-    return PromptInputs(input_ids=ids, arrays=arrays, num_images=len(images) + len(videos),
-                        images=image_items(arrays, len(images), len(ids), len(videos)))
+    items = image_items(arrays, len(images), len(ids), len(videos))
+    if not items and images and not videos:  # arrays that do not split per image (tiles): hash the pictures
+        items = tuple(ImageItem(picture_hash(image, image_kwargs), {}) for image in images)
+    return PromptInputs(input_ids=ids, arrays=arrays, num_images=len(images) + len(videos), images=items)
 
 
 # The history the next turn renders: this prompt's messages, a reply and a question (placeholders)

@@ -23,6 +23,13 @@ class BatchEmbedAdapter(ModelAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("smolvlm", "lfm2_vl")
     batch_embed: ClassVar[bool] = True
 
+    @property
+    def mm_prefix_exact(self) -> bool:
+        # LFM2-VL: an image's span, tiles and thumbnail between <|image_start|> and <|image_end|>, holds
+        # special tokens only (span_token_ids), so it is one run of the key; hashed whole in phase 1.
+        # Not SmolVLM: its spans hold newline text tokens between tile rows.
+        return str(getattr(self.model.config, "model_type", "")) == "lfm2_vl"
+
 
 _ADAPTERS: tuple[type[ModelAdapter], ...] = (
     Gemma3Adapter, Gemma4Adapter, PaliGemmaAdapter, MRoPEAdapter, Qwen3VLAdapter, MistralAdapter, LlavaAdapter,
