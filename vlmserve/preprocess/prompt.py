@@ -124,7 +124,10 @@ def _stem(processor: Any, messages: Sequence[dict[str, Any]], tools: Sequence[di
     the rest of ``text`` tokenizes on its own to the tokens that end ``ids``. A prompt the history
     repeats whole keeps its last token out (it may merge with the reply's first characters). None where
     the template renders neither way."""
-    history = render_chat(processor, [*messages, *NEXT_TURN], tools, False, template_kwargs, videos)
+    try:
+        history = render_chat(processor, [*messages, *NEXT_TURN], tools, False, template_kwargs, videos)
+    except PromptError:  # a template that refuses the placeholder turns: no snapshot, the request goes on
+        return None
     shared = len(os.path.commonprefix([text, history]))
     if shared == len(text):
         return len(ids) - 1
