@@ -61,8 +61,13 @@ def chat(text: str, n_images: int = 0) -> list[dict[str, Any]]:
 async def collect(engine: AsyncEngine, request_id: str, text: str, images: list[Image.Image] = (),
                   params: SamplingParams = SamplingParams(max_tokens=12)) -> Result:
     """Run one chat request to the end and gather everything it produced."""
+    return await gather(engine.generate_chat(request_id, chat(text, len(images)), list(images), None, params))
+
+
+async def gather(stream: AsyncIterator[Any]) -> Result:
+    """Everything one request's stream of outputs produced, to its end."""
     result = Result()
-    async for out in engine.generate_chat(request_id, chat(text, len(images)), list(images), None, params):
+    async for out in stream:
         result.token_ids += out.token_ids
         result.text += out.text
         result.logprobs += out.logprobs

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import scene
+from conftest import gather, running_engine, scene
 from server_utils import ServerProcess, image_data_url, start_server
 
 from vlmserve.engine.engine_config import EngineConfig
@@ -116,11 +116,9 @@ def _mlx_vlm_inputs(processor: Any, text: str, clip: Path) -> dict[str, np.ndarr
 
 
 async def _tokens(engine: AsyncEngine, request_id: str, prompt: PromptInputs) -> list[int]:
-    out: list[int] = []
-    async for step in engine.generate(request_id, prompt, GREEDY):
-        assert step.error is None, step.error
-        out += step.token_ids
-    return out
+    result = await gather(engine.generate(request_id, prompt, GREEDY))
+    assert result.error is None, result.error
+    return result.token_ids
 
 
 def test_engine_equals_mlx_vlms_video_path(family, clips):
@@ -312,8 +310,6 @@ def test_a_chat_about_a_clip_reuses_its_kv_where_the_clip_is_one_run(arch, clips
     """With ``--mm-prefix-cache``, later turns about a clip reuse the earlier turns' KV, the clip's
     included, where its placeholders are one run (Qwen2/2.5-VL); Gemma 4 time-stamps each frame (a
     run per frame), so its turns reuse nothing. Every answer is the cold engine's."""
-    from conftest import running_engine
-
     video = decode_video(clips["red"], SAMPLING, 10**8)
 
     def turn(k: int) -> list[dict[str, Any]]:
@@ -329,18 +325,14 @@ def test_a_chat_about_a_clip_reuses_its_kv_where_the_clip_is_one_run(arch, clips
             for k in range(1, 4):
                 prompt = await engine.preprocess(lambda p, k=k: p.build(turn(k), videos=[video]))
                 after_clip = max(i for i, t in enumerate(prompt.input_ids) if t in media) + 1
-                out: list[int] = []
-                async for step in engine.generate(f"t{k}", prompt, GREEDY):
-                    out += step.token_ids
-                    reused = step.num_cached_tokens
-                tokens.append(out)
-                cached.append(reused)
+                result = await gather(engine.generate(f"t{k}", prompt, GREEDY))
+                tokens.append(result.token_ids)
+                cached.append(result.num_cached_tokens)
             # the same later turn about another clip: nothing past the text before its clip
             other = await engine.preprocess(lambda p: p.build(turn(3), videos=[decode_video(clips["blue"], SAMPLING,
                                                                                              10**8)]))
             before_clip = min(i for i, t in enumerate(other.input_ids) if t in media)
-            async for step in engine.generate("other", other, GREEDY):
-                reused = step.num_cached_tokens
+            reused = (await gather(engine.generate("other", other, GREEDY))).num_cached_tokens
             return tokens, cached, after_clip, reused > before_clip
 
     warm, cached, after_clip, crossed = asyncio.run(scenario(True))
