@@ -73,7 +73,7 @@ class EngineCaches:
     def uncached_images(self, prompt: PromptInputs) -> tuple[int, int]:
         """The prompt's images that need the vision tower, and their pixel values (what the tower's
         time follows): all of them where features are not kept per image."""
-        if self.vision is None or not prompt.images or not all(i.arrays for i in prompt.images):
+        if self.vision is None or not prompt.encodes_per_image:
             return (prompt.num_images, pixel_count(prompt.arrays)) if prompt.has_images else (0, 0)
         missing = [item for item in prompt.images if item.key not in self.vision]
         return len(missing), sum(pixel_count(item.arrays) for item in missing)

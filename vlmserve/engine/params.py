@@ -112,6 +112,12 @@ class PromptInputs:
     def has_videos(self) -> bool:
         return "pixel_values_videos" in self.arrays
 
+    @property
+    def encodes_per_image(self) -> bool:
+        """Does every image carry its own arrays, so that the vision tower may encode it alone (the vision
+        cache)? Not an image keyed by its picture only (``picture_hash``: arrays that do not split)."""
+        return bool(self.images) and all(item.arrays for item in self.images)
+
     def __len__(self) -> int:
         return len(self.input_ids)
 

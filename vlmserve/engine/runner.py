@@ -182,7 +182,7 @@ class ModelRunner:
         return self.adapter.embed(row.input_ids, on_device(row.prompt.arrays)).inputs_embeds
 
     def _caches(self, prompt: PromptInputs) -> bool:
-        return self.caches.vision is not None and bool(prompt.images) and all(i.arrays for i in prompt.images)
+        return self.caches.vision is not None and prompt.encodes_per_image
 
     def _image_features(self, images: tuple[ImageItem, ...]) -> dict[str, mx.array]:
         """Each image's features from the vision cache, or from the tower (alone) and then cached."""

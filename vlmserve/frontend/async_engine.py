@@ -29,7 +29,7 @@ from vlmserve.engine.request import AbortRequest, AddRequest, EngineMetrics, Ste
 from vlmserve.engine.worker import MLXWorkerThread
 from vlmserve.frontend.output import OutputProcessor, RequestOutput
 from vlmserve.preprocess.guided import GuideCompiler, GuideSpec
-from vlmserve.preprocess.prompt import PromptBuilder, PromptError, templater_of
+from vlmserve.preprocess.prompt import CacheHints, PromptBuilder, PromptError, templater_of
 from vlmserve.tools import select_parser
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class AsyncEngine:
         loaded = time.perf_counter()
         self.prompter = await asyncio.get_running_loop().run_in_executor(
             self._pool, PromptBuilder.for_processor, self.loaded.processor, self.config.preprocess_threads,
-            not self.loaded.adapter.trims_cache)
+            self._cache_hints())
         self.tokenizer = await asyncio.get_running_loop().run_in_executor(
             self._pool, copy.deepcopy, self.loaded.tokenizer)
         self.tool_format = self._tool_format()
@@ -162,6 +162,15 @@ class AsyncEngine:
         if self.config.max_model_len:
             loaded.max_context = min(loaded.max_context, self.config.max_model_len)
         return loaded
+
+    def _cache_hints(self) -> CacheHints:
+        """What this model's prefix caches need of phase 1: snapshot points where its cache cannot be cut
+        back, picture keys where the image-keyed cache is on and its images' arrays may not split."""
+        assert self.loaded is not None
+        adapter, config = self.loaded.adapter, self.config
+        image_cache = config.mm_prefix_cache and adapter.mm_prefix_exact
+        return CacheHints(stems=not adapter.trims_cache and (config.prefix_cache or image_cache),
+                          picture_keys=image_cache)
 
     @property
     def opens_reasoning(self) -> bool:

@@ -33,6 +33,14 @@ VIDEO_BOOKKEEPING = frozenset({"num_frames_per_video", "num_soft_tokens_per_fram
                                "frame_timestamps"})
 
 
+@dataclass(slots=True, frozen=True)
+class CacheHints:
+    """What the engine's prefix caches need of phase 1 for one model (nothing by default)."""
+
+    stems: bool = False  # where the next turn's prompt parts from this one (``PromptInputs.stem``): recurrent caches
+    picture_keys: bool = False  # images whose arrays do not split per image keyed by their pictures (the image cache)
+
+
 class PromptError(ValueError):
     """The messages cannot be turned into a prompt (bad template input, image count...)."""
 
@@ -78,7 +86,8 @@ def render_chat(
 
 
 def encode(processor: Any, text: str, images: Sequence[Image.Image] = (),
-           image_kwargs: Mapping[str, int] | None = None, videos: Sequence[Video] = ()) -> PromptInputs:
+           image_kwargs: Mapping[str, int] | None = None, videos: Sequence[Video] = (),
+           picture_keys: bool = False) -> PromptInputs:
     """Tokenize a rendered prompt and preprocess its images and videos with the model's processor.
 
     Processors are called with nothing but text, images and the tensor type (mlx-vlm's LLaVA
@@ -86,6 +95,7 @@ def encode(processor: Any, text: str, images: Sequence[Image.Image] = (),
     ``image_kwargs`` (``min_pixels``/``max_pixels``, for the processors that take them: Qwen's).
     Videos go as mlx-vlm's ``prepare_inputs`` sends them: the frames, and each clip's sampled ``fps``
     and frame metadata to the processors whose call names them (Qwen3-VL's timestamps, Gemma 4's).
+    With ``picture_keys``, images whose arrays do not split per image get items keyed by the pictures.
     """
     text = _without_doubled_bos(tokenizer_of(processor), text)
     if not images and not videos:
@@ -107,7 +117,7 @@ def encode(processor: Any, text: str, images: Sequence[Image.Image] = (),
             arrays[key] = host
     ids = [int(i) for i in np.asarray(out["input_ids"]).reshape(-1)]
     items = image_items(arrays, len(images), len(ids), len(videos))
-    if not items and images and not videos:  # arrays that do not split per image (tiles): hash the pictures
+    if picture_keys and not items and images and not videos:  # arrays that do not split per image (tiles)
         items = tuple(ImageItem(picture_hash(image, image_kwargs), {}) for image in images)
     return PromptInputs(input_ids=ids, arrays=arrays, num_images=len(images) + len(videos), images=items)
 
@@ -160,13 +170,13 @@ def build_prompt(
     image_kwargs: Mapping[str, int] | None = None,
     videos: Sequence[Video] = (),
     video_frames: bool = False,
-    stems: bool = False,
+    hints: CacheHints = CacheHints(),
 ) -> PromptInputs:
     """Phase 1 for one request: template, tokenize, preprocess images and videos; logs when slow.
 
     ``instructions`` (e.g. "answer in JSON") join the system message, wherever this template keeps it.
-    With ``video_frames``, a video goes as its frames, each an image (``frames_as_images``). With
-    ``stems``, the prompt says where its generation prompt starts (``PromptInputs.stem``).
+    With ``video_frames``, a video goes as its frames, each an image (``frames_as_images``); ``hints``
+    say what the engine's prefix caches need besides.
     """
     start = time.perf_counter()
     for kind, given in (("image", len(images)), ("video", len(videos))):
@@ -181,10 +191,10 @@ def build_prompt(
     messages, tools = adapt_messages(messages, tools, template, instructions)
     text = render_chat(processor, messages, tools, add_generation_prompt, template_kwargs, bool(videos))
     try:
-        prompt = encode(processor, text, images, image_kwargs, videos)
+        prompt = encode(processor, text, images, image_kwargs, videos, hints.picture_keys)
     except Exception as exc:  # noqa: BLE001 - e.g. image tokens typed into the text: the input's fault
         raise PromptError(f"could not process the prompt: {type(exc).__name__}: {exc}") from exc
-    if stems and add_generation_prompt:
+    if hints.stems and add_generation_prompt:
         prompt = replace(prompt, stem=_stem(processor, messages, tools, template_kwargs, bool(videos), prompt.input_ids,
                                             text))
     if videos and "pixel_values_videos" not in prompt.arrays:
@@ -212,14 +222,14 @@ class PromptBuilder:
     media_token_ids: frozenset[int] = frozenset()  # image, video and audio placeholders: only phase 1 writes them
     video_sampling: VideoSampling | None = None  # the frames its video processor asks for; None: it takes no video
     video_frames: bool = False  # a video goes as its frames, each an image (SmolVLM2: no video processor)
-    stems: bool = False  # each prompt says where its generation prompt starts (for recurrent caches' snapshots)
+    hints: CacheHints = CacheHints()
     # Copies, not a lock (measured): a copy is 1-6 ms here, ~0.6 s and 24 MiB for a 200k vocabulary, once at start-up;
     # one lock made 4 threads' image prompts 1.45x slower (2 cores) and a decode wait ~0.5 s behind 140k-token ones.
     spares: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue, compare=False, repr=False)
     reasoning_probes: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def for_processor(cls, processor: Any, copies: int = 0, stems: bool = False) -> PromptBuilder:
+    def for_processor(cls, processor: Any, copies: int = 0, hints: CacheHints = CacheHints()) -> PromptBuilder:
         """The builder, with ``copies`` processor copies made now (one per pool thread: a copy of a
         large vocabulary's tokenizer is worth making before the first request, not during it)."""
         # A video token but no video processor: SmolVLM2, which was trained on videos as time-stamped frames
@@ -228,7 +238,7 @@ class PromptBuilder:
         builder = cls(processor, inspect_template(templater_of(processor)),
                       ControlTokens.of(processor, tokenizer_of(processor)), processor_limit(processor),
                       media_token_ids(processor), processor_sampling(processor) if video_token else None, frames,
-                      stems)
+                      hints)
         for _ in range(copies):
             builder.spares.put(copy.deepcopy(processor))
         return builder
@@ -241,7 +251,7 @@ class PromptBuilder:
         with self._borrowed() as processor:
             return build_prompt(processor, messages, images, tools, self.template, instructions, request_id,
                                 self.control, add_generation_prompt, template_kwargs, image_kwargs, videos,
-                                self.video_frames, self.stems)
+                                self.video_frames, self.hints)
 
     def opens_reasoning_with(self, template_kwargs: Mapping[str, Any]) -> bool:
         """Whether a prompt rendered with these template variables ends inside ``<think>``: a probe
