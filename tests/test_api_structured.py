@@ -81,14 +81,20 @@ def test_json_object_regex_and_choice(demo_client):
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_forced_tool_call_always_comes_with_schema_valid_arguments(demo_client, choice):
+    # An unbounded string ends when the model closes it: sampled at 1.0 on a prompt it would answer
+    # in words, the demo model once wrote JSON into `location` until max_tokens. A bound makes the
+    # grammar close it, so the call always comes.
+    tool = json.loads(json.dumps(WEATHER_TOOL))
+    tool["function"]["parameters"]["properties"]["location"]["maxLength"] = 24
     for seed in range(3):  # a prompt the model would answer in words: the call comes anyway
         r = demo_client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=_ask("Describe this image."),
-                                           tools=[WEATHER_TOOL], tool_choice=choice, temperature=1.0, seed=seed,
+                                           tools=[tool], tool_choice=choice, temperature=1.0, seed=seed,
                                            max_tokens=60)
         (call,) = r.choices[0].message.tool_calls
         args = json.loads(call.function.arguments)
         assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
-        assert isinstance(args["location"], str) and args.get("unit", "celsius") in ("celsius", "fahrenheit")
+        assert isinstance(args["location"], str) and len(args["location"]) <= 24
+        assert args.get("unit", "celsius") in ("celsius", "fahrenheit")
 
 
 @pytest.mark.parametrize("extra, param", [

@@ -32,6 +32,26 @@ def test_the_readme_has_runnable_examples():
     assert kinds == {"python", "bash"} and len(examples()) >= 3, examples()
 
 
+@pytest.mark.parametrize("what, marks", [
+    ("a text chat", ('"content": "Hello!"',)),
+    ("an image", ("assets/example.png", "image_url")),
+    ("a tool call", ("get_weather", "tools")),
+    ("structured output", ("response_format",)),
+])  # fmt: skip
+def test_each_feature_has_a_runnable_example_in_python_and_in_curl(what, marks):
+    """A newcomer can paste a chat, an image, a tool call and structured output both ways."""
+    for lang in ("python", "bash"):
+        assert any(lang == found and all(m in code for m in marks) for found, code, _ in examples()), (what, lang)
+
+
+def test_no_example_is_a_placeholder():
+    """Every name an example uses is defined in it, and no value is left as "..."."""
+    for lang, code, _ in examples():
+        assert "..." not in code and "my-model" not in code, code
+        if lang == "python":
+            compile(code, "README example", "exec")  # parses; running it is the next test
+
+
 @pytest.mark.parametrize("lang, code, said", examples(), ids=[f"{lang}: {code.splitlines()[-1][:40]}"
                                                                for lang, code, _ in examples()])
 def test_a_readme_example_prints_what_the_readme_says(demo_server, lang, code, said):

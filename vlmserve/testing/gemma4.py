@@ -158,7 +158,7 @@ def make_processor(tokenizer: Any, dims: Dims) -> Any:
     image_processor = Gemma4ImageProcessor(
         size={"height": dims.image_size, "width": dims.image_size},
         patch_size=dims.patch,
-        max_soft_tokens=dims.image_tokens,
+        max_soft_tokens=dims.image_budget or dims.image_tokens,
         pooling_kernel_size=POOLING,
     )
     video_processor = Gemma4VideoProcessor(

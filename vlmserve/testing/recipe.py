@@ -28,6 +28,10 @@ class Dims:
     image_size: int  # side in px of a square image after the processor's resize
     image_tokens: int  # soft tokens one square image becomes
     dtype: str  # "float32" or "bfloat16", as saved on disk
+    # Gemma 4: the soft-token budget of one picture (0: image_tokens). Its processor floors each
+    # side to a whole token, so with a budget of exactly a square's 3 x 3, a canvas a little wider
+    # than tall became 2 x 3; 12 keeps a square at 3 x 3 and gives a 4:3 picture 3 x 4
+    image_budget: int = 0
 
 
 # The standard sizes; a family changes only what its architecture needs (``dataclasses.replace``).

@@ -11,6 +11,7 @@ to one length multiplied the tokens in an early experiment.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections.abc import Iterator
@@ -64,9 +65,13 @@ def encode_chat(processor: Any, chat: Chat) -> Encoded:
         prompt = build_prompt(processor, messages, list(chat.images), list(chat.tools) or None)
         if prompt.input_ids[: len(sequence)] != sequence:
             raise ValueError(f"the chat template re-renders earlier turns differently: {chat}")
-        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-        targets.extend(range(len(prompt), len(prompt) + len(answer_ids)))
-        weights.extend([1.0 / len(answer_ids)] * len(answer_ids))
+        encoded = tokenizer(answer, add_special_tokens=False, return_offsets_mapping=True)
+        answer_ids = encoded["input_ids"]
+        # the tokens inside ``given`` (what a grammar forces) are context, not targets
+        skip = sum(1 for _, end in encoded["offset_mapping"] if end <= len(chat.given)) if not targets else 0
+        learned = len(answer_ids) - skip
+        targets.extend(range(len(prompt) + skip, len(prompt) + len(answer_ids)))
+        weights.extend([1.0 / learned] * learned)
         sequence = prompt.input_ids + answer_ids
         content = answer.removesuffix(END_OF_TURN).removesuffix(TOOL_HANDOVER)
         messages.append({"role": "assistant", "content": content})
@@ -115,10 +120,19 @@ def batch_stream(processor: Any, rng: np.random.Generator, batch_size: int) -> I
     pad_id = tokenizer_of(processor).pad_token_id
     while True:
         pool = [encode_chat(processor, sample_chat(rng)) for _ in range(batch_size * POOL_BATCHES)]
-        pool.sort(key=lambda e: len(e.input_ids))  # stable: ties keep their (seeded) order
-        chunks = [pool[i : i + batch_size] for i in range(0, len(pool), batch_size)]
+        # pictures of one size batch together (their arrays stack), then by length; stable: ties
+        # keep their (seeded) order
+        pool.sort(key=lambda e: (_picture_size(e), len(e.input_ids)))
+        chunks = []
+        for _, group in itertools.groupby(pool, key=_picture_size):
+            same = list(group)
+            chunks += [same[i : i + batch_size] for i in range(0, len(same), batch_size)]
         for index in rng.permutation(len(chunks)):
             yield make_batch(chunks[index], pad_id)
+
+
+def _picture_size(example: Encoded) -> tuple[int, ...]:
+    return () if example.pixel_values is None else tuple(example.pixel_values.shape)
 
 
 T = TypeVar("T")

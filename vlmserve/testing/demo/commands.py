@@ -12,14 +12,14 @@ from vlmserve.testing.demo.evaluate import DEFAULT_EVAL_N
 
 def add_cli(subparsers: Any) -> None:
     """Register ``train-demo`` and ``eval-demo`` on an ``argparse`` subparsers object."""
-    train = subparsers.add_parser("train-demo", help="train the built-in demo model on synthetic scenes (CPU, ~15 min)")
+    train = subparsers.add_parser("train-demo", help="train the built-in demo model on synthetic scenes (CPU, at most ~60 min)")
     train.add_argument("--out", type=Path, required=True, help="directory to write the model to (replaced)")
     train.add_argument("--seed", type=int, default=0, help="same seed, byte-identical weights")
-    train.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the shipped model's)")
+    train.add_argument("--steps", type=int, default=None, help="chat steps at most (default: the shipped model's cap)")
     train.set_defaults(func=_train_command, wants_openblas=True)
 
     evaluate = subparsers.add_parser(
-        "eval-demo", help="score the demo model on held-out grid scenes, free-position scenes and tests/drawings.py"
+        "eval-demo", help="score the demo model on held-out grid and free-position scenes, tests/drawings.py, JSON and tools"
     )
     evaluate.add_argument("--model", type=Path, default=None, help="model directory (default: the built-in demo)")
     evaluate.add_argument("--n", type=int, default=DEFAULT_EVAL_N, help="held-out scenes of each kind")
@@ -59,10 +59,12 @@ def format_scores(scores: dict[str, Any]) -> str:
         rows.append(("2 free: caption exact", groups["free_caption"]["n"], groups["free_caption"]["accuracy"]))
     if "drawing" in groups:
         rows.append(("3 drawings: named", groups["drawing"]["n"], groups["drawing"]["accuracy"]))
-    rows += [(name, g["n"], g["accuracy"]) for name, g in groups.items() if name in ("tool_call", "tool_result", "small_talk")]
-    lines = [f"{'metric':<24}{'n':>6}{'score':>8}", "-" * 38]
-    lines += [f"{name:<24}{n:>6}{value:>8.3f}" for name, n, value in rows]
-    lines.append(f"{'ended by EOS':<24}{'':>6}{scores['stopped_by_eos']:>8.3f}")
+    rows += [(f"4 {name}", g["n"], g["accuracy"]) for name, g in groups.items() if name.startswith("json_")]
+    rows += [(f"5 {name}" if name.startswith("tool") else name, g["n"], g["accuracy"])
+             for name, g in groups.items() if name in ("tool_call", "tool_result", "small_talk")]  # fmt: skip
+    lines = [f"{'metric':<28}{'n':>6}{'score':>8}", "-" * 42]
+    lines += [f"{name:<28}{n:>6}{value:>8.3f}" for name, n, value in rows]
+    lines.append(f"{'ended by EOS':<28}{'':>6}{scores['stopped_by_eos']:>8.3f}")
     for failure in scores.get("failures", [])[:8]:
         lines.append(f"miss ({failure.get('group', '?')}): expected {failure['expected']!r}, got {failure['got']!r}")
     return "\n".join(lines)

@@ -20,7 +20,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlmserve.testing.demo.render import render, sample_style
+from vlmserve.testing.demo.json_answers import JSON_PROMPTS, SCHEMA_SYSTEM, dumps, random_keys, scene_object, schema_for
+from vlmserve.testing.demo.placements import sample_aspect, sample_free_scene
+from vlmserve.testing.demo.render import render, sample_style, sample_varied_style
 from vlmserve.testing.demo.scenes import COLUMN_NAMES, ROW_NAMES, Question, Scene, Split, sample_question, sample_scene
 
 END_OF_TURN = "<turn|>"
@@ -73,6 +75,7 @@ class Chat:
     """One training chat: ``prefix`` messages, then turns of (new messages, learned answer).
 
     Each answer carries its end token. ``images`` belong to the first turn's user message.
+    ``given`` starts the first answer and is not learned: what a grammar forces (``{"``).
     """
 
     kind: str
@@ -80,6 +83,7 @@ class Chat:
     prefix: tuple[dict[str, Any], ...] = ()
     images: tuple[Image.Image, ...] = ()
     tools: tuple[dict[str, Any], ...] = ()
+    given: str = ""
 
 
 def image_message(text: str) -> dict[str, Any]:
@@ -115,26 +119,66 @@ def demo_corpus(chats: int = 3000, seed: int = 0) -> list[str]:
         request = _pick(rng, WEATHER_REQUESTS).format(city=city, unit=unit)
         result = json.dumps({"temperature": degrees, "unit": unit})
         texts.append(f"{request} {weather_call(city, unit)} {result} {weather_answer(city, degrees)}")
+        keys = random_keys(rng)
+        texts.append(f"{_pick(rng, JSON_PROMPTS)} {dumps(schema_for(keys))} {dumps(scene_object(scene))} {dumps(scene_object(scene, keys))}")
     return texts
 
 
 # -- sampling chats ----------------------------------------------------------------------
 
 # kind -> share of training chats; weather chats are long (the declaration)
-MIX = {"image": 0.85, "small_talk": 0.03, "weather": 0.12}
+MIX = {"image": 0.42, "free_image": 0.28, "json": 0.15, "small_talk": 0.03, "weather": 0.12}
+NO_IMAGE_PROMPTS = ("Describe one shape.", "Describe a shape.", "Name a shape.", "Give me a shape.", "Pick a shape.")
 
 
 def sample_chat(rng: np.random.Generator, split: Split = "train") -> Chat:
     kinds = list(MIX)
     kind = kinds[int(rng.choice(len(kinds), p=list(MIX.values())))]
-    if kind == "image":
-        return image_chat(rng, sample_scene(rng, split))
+    if kind in ("image", "free_image"):
+        return image_chat(rng, *sample_picture(rng, split, free=kind == "free_image"))
+    if kind == "json":
+        return json_chat(rng, split)
     if kind == "small_talk":
         return small_talk_chat(rng)
     return weather_chat(rng)
 
 
-def image_chat(rng: np.random.Generator, scene: Scene) -> Chat:
+def sample_picture(rng: np.random.Generator, split: Split = "train", free: bool = False) -> tuple[Scene, Image.Image]:
+    """A grid scene in the classic look, or (``free``) a free-position one in the varied look on
+    a canvas of any aspect ratio."""
+    if not free:
+        scene = sample_scene(rng, split)
+        return scene, render(scene, sample_style(rng))
+    aspect = sample_aspect(rng)
+    scene = sample_free_scene(rng, split, aspect)
+    return scene, render(scene, sample_varied_style(rng, aspect))
+
+
+def json_chat(rng: np.random.Generator, split: Split = "train") -> Chat:
+    """A scene (or, without a picture, one shape the model imagines) described as JSON, asked
+    for three ways: in words ("Describe the picture as JSON.": the scene object), by a schema in
+    the system text, or only by the grammar of ``response_format``, which forces ``{"`` (given,
+    not learned) and the keys."""
+    with_image = rng.random() < 0.85
+    if with_image:
+        scene, image = sample_picture(rng, split, free=rng.random() < 0.35)
+    else:
+        scene = sample_free_scene(rng, split, shapes=1)
+    keys = random_keys(rng) if with_image or rng.random() < 0.6 else ("shape", "colour")
+    mode = rng.random()
+    if with_image and mode < 0.4:
+        keys, prompt, system, given = tuple(scene_object(scene)), _pick(rng, JSON_PROMPTS), (), ""
+    else:
+        prompt = _pick(rng, CAPTION_PROMPTS if with_image else NO_IMAGE_PROMPTS)
+        in_system = mode < 0.7
+        system = ({"role": "system", "content": SCHEMA_SYSTEM + dumps(schema_for(keys, rng))},) if in_system else ()
+        given = "" if in_system else '{"'
+    message = image_message(prompt) if with_image else user(prompt)
+    answer = dumps(scene_object(scene, keys)) + END_OF_TURN
+    return Chat("json", (((message,), answer),), prefix=system, images=(image,) if with_image else (), given=given)
+
+
+def image_chat(rng: np.random.Generator, scene: Scene, image: Image.Image) -> Chat:
     """Up to three questions about one image, then (or only) its caption.
 
     The caption comes last: asked after it, a question could be answered by reading the
@@ -146,7 +190,6 @@ def image_chat(rng: np.random.Generator, scene: Scene) -> Chat:
     turns = tuple(
         ((image_message(text) if i == 0 else user(text),), answer + END_OF_TURN) for i, (text, answer) in enumerate(asks)
     )
-    image = render(scene, sample_style(rng))
     return Chat("image", turns, prefix=_maybe_system(rng), images=(image,))
 
 

@@ -15,6 +15,7 @@ does. Three held-out sets:
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
 import time
@@ -29,7 +30,9 @@ from PIL import Image
 from vlmserve.testing.demo.dialogues import (
     CAPTION_PROMPTS,
     CITIES,
+    END_OF_TURN,
     GREETING,
+    NO_IMAGE_PROMPTS,
     UNITS,
     WEATHER_REQUESTS,
     WEATHER_TOOL,
@@ -40,12 +43,22 @@ from vlmserve.testing.demo.dialogues import (
     weather_call,
     weather_exchange,
 )  # fmt: skip
+from vlmserve.testing.demo.json_answers import (
+    JSON_PROMPTS,
+    SCENE_SCHEMA,
+    SHAPE_SCHEMA,
+    dumps,
+    parse_object,
+    scene_object,
+    sensible,
+)
 from vlmserve.testing.demo.placements import sample_aspect, sample_free_scene
 from vlmserve.testing.demo.render import render, sample_style, sample_varied_style
 from vlmserve.testing.demo.scenes import COLOURS, SHAPES, Scene, sample_question, sample_scene
 
 DEFAULT_EVAL_N = 200
 MAX_TOKENS = 48  # longer than any answer the model was taught
+JSON_MAX_TOKENS = 128  # set 4's bound
 DRAWINGS = Path(__file__).resolve().parents[3] / "tests" / "drawings.py"  # in a checkout of the repository
 PHRASE = re.compile(rf"\b({'|'.join(COLOURS)}) ({'|'.join(SHAPES)})\b", re.IGNORECASE)
 
@@ -65,32 +78,52 @@ def generate_reply(
     images: Sequence[Image.Image] = (),
     tools: Sequence[dict[str, Any]] | None = None,
     max_tokens: int = MAX_TOKENS,
+    params: Any = None,
 ) -> Reply:
-    """Greedy answer on the calling thread, which must be the one that owns ``loaded``."""
+    """Greedy answer (or as ``params`` sample) on the calling thread, which must be the one that
+    owns ``loaded``."""
     from vlmserve.engine.generate import generate_tokens
     from vlmserve.engine.params import SamplingParams
     from vlmserve.engine.runner import ModelRunner
     from vlmserve.preprocess.prompt import build_prompt
 
+    params = params or SamplingParams(max_tokens=max_tokens)
     prompt = build_prompt(loaded.processor, messages, images, tools)
-    ids = list(generate_tokens(ModelRunner(loaded), prompt, SamplingParams(max_tokens=max_tokens)))
-    return Reply(loaded.tokenizer.decode(ids, skip_special_tokens=False), ids, len(ids) < max_tokens)
+    ids = list(generate_tokens(ModelRunner(loaded), prompt, params))
+    return Reply(loaded.tokenizer.decode(ids, skip_special_tokens=False), ids, len(ids) < params.max_tokens)
 
 
 @dataclass(frozen=True, slots=True)
 class Case:
-    """One evaluation prompt and the exact text expected back."""
+    """One evaluation prompt and what a right answer is.
+
+    ``check``: ``exact`` (the text, stripped), ``named`` (drawings: every (colour, shape) pair in
+    ``named`` and no other), ``json`` (an object equal to ``expected`` parsed) or ``sensible`` (an
+    object that fits ``schema`` with words the model knows: no picture to be right about).
+    ``schema`` with ``constrained`` is also sent as ``response_format``; ``temperature`` > 0
+    samples with the case's own seed.
+    """
 
     group: str
     messages: tuple[dict[str, Any], ...]
     expected: str
     images: tuple[Image.Image, ...] = ()
     tools: tuple[dict[str, Any], ...] = ()
-    named: tuple[tuple[str, str], ...] = ()  # drawings: the (colour, shape) pairs a right caption names
+    named: tuple[tuple[str, str], ...] = ()
+    check: str = "exact"
+    schema: dict[str, Any] | None = None
+    constrained: bool = False
+    temperature: float = 0.0
+    seed: int = 0
 
     def right(self, text: str) -> bool:
-        if self.group == "drawing":
+        if self.check == "named":
             return named_pairs(text) == sorted(self.named)
+        if self.check == "json":
+            return parse_object(text.removesuffix(END_OF_TURN)) == json.loads(self.expected)
+        if self.check == "sensible":
+            value = parse_object(text.removesuffix(END_OF_TURN))
+            return value is not None and self.schema is not None and sensible(value, self.schema)
         return text.strip() == self.expected
 
 
@@ -130,8 +163,41 @@ def eval_cases(n: int, seed: int = 0, drawings: Path | None = DRAWINGS) -> list[
     cases += [Case("free_caption", caption, scene.caption, (image,)) for scene, image in free_scenes(n, seed)]
     for drawing in load_drawings(drawings):
         expected = ", ".join(f"{colour} {kind}" for colour, kind in drawing.named)
-        cases.append(Case("drawing", caption, expected, (drawing.image,), named=tuple(drawing.named)))
-    return cases + tool_cases(rng) + [Case("small_talk", (user("Hello!"),), GREETING)]
+        cases.append(Case("drawing", caption, expected, (drawing.image,), named=tuple(drawing.named), check="named"))
+    return cases + json_cases(max(1, n // 4), seed) + tool_cases(rng) + [Case("small_talk", (user("Hello!"),), GREETING)]
+
+
+def check_cases(seed: int, n: int = 24) -> list[Case]:
+    """The small held-out sets training checks itself on (a seed eval-demo does not use)."""
+    caption = (image_message(CAPTION_PROMPTS[0]),)
+    cases = [Case("caption", caption, scene.caption, (image,)) for scene, image in held_out_scenes(n, seed)]
+    cases += [Case("free_caption", caption, scene.caption, (image,)) for scene, image in free_scenes(n, seed)]
+    return cases + json_cases(max(1, n // 8), seed) + tool_cases(np.random.default_rng([seed, 104729]))
+
+
+def json_cases(n: int, seed: int = 0) -> list[Case]:
+    """Set 4: held-out grid scenes as JSON, ``n`` per way of asking, each at temperature 0 and 0.8.
+
+    With a picture: asked in words ("Describe the picture as JSON.") with and without
+    ``response_format`` (the scene schema, strings unbounded), and cued only by
+    ``response_format`` ("Describe this image."): right when the object equals the scene's.
+    Without one: "Describe one shape." under the README's one-shape schema (plain strings):
+    right when it parses and names a shape and a colour the model knows."""
+    rng = np.random.default_rng([seed, 3571])
+    cases = []
+    for i, (scene, image) in enumerate(held_out_scenes(n, seed + 1)):
+        expected = dumps(scene_object(scene))
+        for temperature in (0.0, 0.8):
+            t = f"t{temperature:g}"
+            ask = (image_message(JSON_PROMPTS[0]),)
+            cases.append(Case(f"json_asked_{t}", ask, expected, (image,), check="json", temperature=temperature, seed=i))
+            cases.append(Case(f"json_asked_schema_{t}", ask, expected, (image,), check="json", schema=SCENE_SCHEMA,
+                              constrained=True, temperature=temperature, seed=i))  # fmt: skip
+            cases.append(Case(f"json_schema_only_{t}", (image_message(CAPTION_PROMPTS[0]),), expected, (image,),
+                              check="json", schema=SCENE_SCHEMA, constrained=True, temperature=temperature, seed=i))  # fmt: skip
+            cases.append(Case(f"json_no_image_{t}", (user(NO_IMAGE_PROMPTS[0]),), "", check="sensible",
+                              schema=SHAPE_SCHEMA, constrained=True, temperature=temperature, seed=int(rng.integers(2**31))))  # fmt: skip
+    return cases
 
 
 def load_drawings(path: Path | None) -> list[Any]:
@@ -159,8 +225,18 @@ def tool_cases(rng: np.random.Generator) -> list[Case]:
 
 
 def run_cases(loaded: Any, cases: Sequence[Case]) -> list[tuple[Case, Reply]]:
-    """Worker side: answer every case greedily."""
-    return [(case, generate_reply(loaded, case.messages, case.images, case.tools or None)) for case in cases]
+    """Worker side: answer every case (greedy unless the case samples)."""
+    from vlmserve.engine.params import SamplingParams
+    from vlmserve.preprocess.guided import GuideCompiler, GuideSpec
+
+    guides = GuideCompiler(loaded.tokenizer, loaded.eos_token_ids)
+    out = []
+    for case in cases:
+        guide = guides.compile(GuideSpec("json_schema", case.schema)) if case.constrained else None
+        tokens = JSON_MAX_TOKENS if case.check in ("json", "sensible") else MAX_TOKENS
+        params = SamplingParams(max_tokens=tokens, temperature=case.temperature, seed=case.seed, guide=guide)
+        out.append((case, generate_reply(loaded, case.messages, case.images, case.tools or None, params=params)))
+    return out
 
 
 def score(results: Sequence[tuple[Case, Reply]]) -> dict[str, Any]:
@@ -176,6 +252,9 @@ def score(results: Sequence[tuple[Case, Reply]]) -> dict[str, Any]:
         "drawings_named": _mean(groups.get("drawing", [])),
         "n_drawings": len(groups.get("drawing", [])),
         "qa_accuracy": _mean(qa),
+        "json_t0": _mean([ok for g, oks in groups.items() if g.startswith("json_") and g.endswith("_t0") for ok in oks]),
+        "json_t0.8": _mean([ok for g, oks in groups.items() if g.startswith("json_") and g.endswith("_t0.8") for ok in oks]),
+        "tools": _mean(groups.get("tool_call", []) + groups.get("tool_result", [])),
         "groups": {group: {"n": len(oks), "accuracy": _mean(oks)} for group, oks in sorted(groups.items())},
         "stopped_by_eos": _mean([reply.stopped for _, reply in results]),
         "examples": [{"expected": c.expected, "got": r.text} for c, r in results[:6]],

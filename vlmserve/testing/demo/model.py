@@ -21,8 +21,8 @@ from vlmserve.testing.weights import POST_NORMS, instantiate, set_norm_weights, 
 
 DEMO_DIMS = Dims(
     vocab=4096, hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384,
-    vision_hidden=128, vision_layers=2, vision_heads=4, vision_intermediate=256,
-    patch=16, image_size=96, image_tokens=9, dtype="bfloat16",
+    vision_hidden=128, vision_layers=3, vision_heads=4, vision_intermediate=256,
+    patch=16, image_size=96, image_tokens=9, dtype="bfloat16", image_budget=12,
 )  # fmt: skip
 PER_LAYER_INPUT = 0  # no per-layer token embeddings (like the larger Gemma 4s): ~35% faster on this CPU
 

@@ -39,17 +39,20 @@ def sample_aspect(rng: np.random.Generator) -> float:
     return float(math.exp(rng.uniform(math.log(ASPECTS[0]), math.log(ASPECTS[1]))))
 
 
-def sample_free_scene(rng: np.random.Generator, split: Split = "train", aspect: float = 1.0) -> Scene:
-    """A random free-position scene of the split for a canvas of ``aspect`` (width / height)."""
+def sample_free_scene(
+    rng: np.random.Generator, split: Split = "train", aspect: float = 1.0, shapes: int | None = None
+) -> Scene:
+    """A random free-position scene of the split for a canvas of ``aspect`` (width / height), of
+    ``shapes`` shapes (None: 1-3 at random)."""
     want_held_out = split == "held_out"
     while True:
-        scene = _free_scene(rng, aspect)
+        scene = _free_scene(rng, aspect, shapes)
         if scene is not None and scene.held_out == want_held_out:
             return scene
 
 
-def _free_scene(rng: np.random.Generator, aspect: float) -> Scene | None:
-    n = int(rng.choice([1, 2, 3], p=[0.3, 0.35, 0.35]))
+def _free_scene(rng: np.random.Generator, aspect: float, shapes: int | None = None) -> Scene | None:
+    n = shapes or int(rng.choice([1, 2, 3], p=[0.3, 0.35, 0.35]))
     pattern = ROW_PATTERNS[n][int(rng.choice(len(ROW_PATTERNS[n]), p=PATTERN_ODDS[n]))]
     kinds = [SHAPES[i] for i in rng.permutation(len(SHAPES))[:n]]
     colours = [COLOURS[i] for i in rng.permutation(len(COLOURS))[:n]]
