@@ -131,7 +131,10 @@ def test_the_api_key_comes_from_the_environment(ops_server, gemma4_micro):
 
 def test_anthropic_clients_send_the_key_as_x_api_key(ops_server, gemma4_micro):
     """The anthropic SDK sends ``x-api-key``; a wrong one is its own AuthenticationError, in Anthropic's shape."""
-    message = dict(model=gemma4_micro.name, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    # greedy: sampled at the API's default temperature, the random micro model's first token was
+    # once its end of turn (CI: 0 output tokens, stop_reason end_turn)
+    message = dict(model=gemma4_micro.name, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                   extra_body={"temperature": 0})
     keyed = anthropic.Anthropic(base_url=ops_server.url, api_key=KEY, max_retries=0, timeout=60)
     assert keyed.messages.create(**message).usage.output_tokens == 2
     wrong = anthropic.Anthropic(base_url=ops_server.url, api_key=KEY + "x", max_retries=0, timeout=60)
