@@ -77,7 +77,7 @@ def _knows() -> str:
         f"`{dumps(scene_object(EXAMPLE))}`. Given a schema, in the system text\n"
         f"(`{SCHEMA_SYSTEM}{{...}}`) or only through `response_format`'s grammar, it fills these\n"
         "fields from the picture: " + ", ".join(f"`{key}`" for key in FIELDS) + ". Without a picture\n"
-        f"(`{NO_IMAGE_PROMPTS[0]}`) it describes a shape it imagines, such as `{{\"shape\": \"square\", \"colour\": \"green\"}}`.\n"
+        f"(`{NO_IMAGE_PROMPTS[0]}`) it describes a shape it imagines, a kind and a colour from the lists above.\n"
         "Every value is short and every string closed, so a schema whose strings have no bound still ends."
     )
 

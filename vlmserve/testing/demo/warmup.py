@@ -12,9 +12,9 @@ linear probes on its (normalized) soft tokens, in two stages:
    the varied look, per-token labels, with a decaying rate.
 
 Labels, per soft token (row-major, as the pooler orders them; a square picture is 3 x 3 tokens,
-a wide one 2 x 3 or 2 x 4): the kind and colour of the shape whose centre falls in the token's
-part of the picture (or none), and which third of the picture (top/middle/bottom,
-left/centre/right) the token covers; per picture, the number of shapes and which kinds and
+a 4:3 one 3 x 4, a 2:1 one 2 x 4): the kind and colour of the shape whose centre falls in the token's
+part of the picture (or none), and where that shape comes in the caption (its row's rank:
+top/middle/bottom; its rank in the row: left/centre/right; ``token_places``); per picture, the number of shapes and which kinds and
 colours it shows. On grid scenes every shape's centre is in its own cell, so every label is
 exact. Pixels come from the model's own image processor, as at inference.
 """
@@ -36,6 +36,7 @@ from vlmserve.testing.demo.batches import prefetch
 from vlmserve.testing.demo.placements import sample_aspect, sample_free_scene
 from vlmserve.testing.demo.render import render, sample_style, sample_varied_style
 from vlmserve.testing.demo.scenes import COLOURS, COLUMN_NAMES, GRID, ROW_NAMES, SHAPES, Scene, Split, sample_scene
+from vlmserve.testing.demo.scenes import rows as caption_rows
 
 MAX_SHAPES = 3
 TOKEN_PX = 32  # a soft token covers 2 x 2 patches of 16 px
@@ -58,11 +59,20 @@ def token_labels(scene: Scene, rows: int, columns: int, names: tuple[str, ...], 
     return labels
 
 
-def thirds(rows: int, columns: int) -> tuple[np.ndarray, np.ndarray]:
-    """Which third of the picture (0-2, top to bottom and left to right) each token's centre is in."""
-    row = ((np.arange(rows) + 0.5) / rows * GRID).astype(np.int32)
-    column = ((np.arange(columns) + 0.5) / columns * GRID).astype(np.int32)
-    return np.repeat(row, columns), np.tile(column, rows)
+def token_places(scene: Scene, rows: int, columns: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per token (row-major), where the shape centred there comes in the caption: the rank of its
+    row among the picture's rows (the caption's rows, ``scenes.rows``: top, middle, bottom) and its
+    rank within that row (left, centre, right); -1 where no shape's centre falls.
+
+    Not the token's own row: two shapes of one caption row may sit in different rows of tokens
+    (and two rows of shapes in one row of tokens), and a model fed the token's place said "above"
+    for one shape beside another in a tenth of grid scenes."""
+    row_rank, column_rank = np.full(rows * columns, -1, np.int32), np.full(rows * columns, -1, np.int32)
+    for r, row in enumerate(caption_rows(scene.shapes)):
+        for c, shape in enumerate(sorted(row, key=lambda s: s.x)):
+            token = min(int(shape.y * rows), rows - 1) * columns + min(int(shape.x * columns), columns - 1)
+            row_rank[token], column_rank[token] = r, c
+    return row_rank, column_rank
 
 
 def present(scene: Scene, names: tuple[str, ...], attribute: str) -> np.ndarray:
@@ -100,9 +110,16 @@ class VisionProbe(nn.Module):
 SHOWN = ("kinds_shown", "colours_shown")
 
 
+PLACES = ("rows", "columns")  # labelled on a shape's token only (-1 elsewhere)
+
+
 def probe_loss(probe: VisionProbe, batch: dict[str, mx.array]) -> mx.array:
     logits = probe(batch["pixel_values"])
-    loss = sum(nn.losses.cross_entropy(logits[k], batch[k]).mean() for k in logits if k not in SHOWN)
+    loss = sum(nn.losses.cross_entropy(logits[k], batch[k]).mean() for k in logits if k not in SHOWN + PLACES)
+    for k in PLACES:
+        labelled = batch[k] >= 0
+        each = nn.losses.cross_entropy(logits[k], mx.maximum(batch[k], 0)) * labelled
+        loss = loss + each.sum() / mx.maximum(labelled.sum(), 1)
     shown = sum(nn.losses.binary_cross_entropy(logits[k], batch[k]).mean() for k in SHOWN)
     return loss + shown  # type: ignore[return-value]
 
@@ -135,14 +152,14 @@ def host_batches(processor: Any, rng: np.random.Generator, size: int, stage: Sta
 
 def labelled_batch(group: list[tuple[Scene, np.ndarray]]) -> dict[str, np.ndarray]:
     rows, columns = token_grid(group[0][1])
-    row_thirds, column_thirds = thirds(rows, columns)
     scenes = [scene for scene, _ in group]
+    places = [token_places(s, rows, columns) for s in scenes]
     return {
         "pixel_values": np.concatenate([array for _, array in group]),
         "kinds": np.concatenate([token_labels(s, rows, columns, SHAPES, "kind") for s in scenes]),
         "colours": np.concatenate([token_labels(s, rows, columns, COLOURS, "colour") for s in scenes]),
-        "rows": np.tile(row_thirds, len(group)),
-        "columns": np.tile(column_thirds, len(group)),
+        "rows": np.concatenate([row for row, _ in places]),
+        "columns": np.concatenate([column for _, column in places]),
         "counts": np.array([len(s.shapes) - 1 for s in scenes], dtype=np.int32),
         "kinds_shown": np.stack([present(s, SHAPES, "kind") for s in scenes]),
         "colours_shown": np.stack([present(s, COLOURS, "colour") for s in scenes]),
