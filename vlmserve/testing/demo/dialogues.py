@@ -143,14 +143,16 @@ def sample_chat(rng: np.random.Generator, split: Split = "train") -> Chat:
     return weather_chat(rng)
 
 
-def sample_picture(rng: np.random.Generator, split: Split = "train", free: bool = False) -> tuple[Scene, Image.Image]:
-    """A grid scene in the classic look, or (``free``) a free-position one in the varied look on
-    a canvas of any aspect ratio."""
+def sample_picture(
+    rng: np.random.Generator, split: Split = "train", free: bool = False, shapes: int | None = None
+) -> tuple[Scene, Image.Image]:
+    """A grid scene in the classic look, or (``free``) a free-position one of ``shapes`` shapes
+    (None: 1-3) in the varied look on a canvas of any aspect ratio."""
     if not free:
         scene = sample_scene(rng, split)
         return scene, render(scene, sample_style(rng))
     aspect = sample_aspect(rng)
-    scene = sample_free_scene(rng, split, aspect)
+    scene = sample_free_scene(rng, split, aspect, shapes)
     return scene, render(scene, sample_varied_style(rng, aspect))
 
 

@@ -33,9 +33,8 @@ import numpy as np
 
 from vlmserve.preprocess.prompt import tokenizer_of
 from vlmserve.testing.demo.batches import prefetch
-from vlmserve.testing.demo.placements import sample_aspect, sample_free_scene
-from vlmserve.testing.demo.render import render, sample_style, sample_varied_style
-from vlmserve.testing.demo.scenes import COLOURS, COLUMN_NAMES, GRID, ROW_NAMES, SHAPES, Scene, Split, sample_scene
+from vlmserve.testing.demo.dialogues import sample_picture as dialogue_picture
+from vlmserve.testing.demo.scenes import COLOURS, COLUMN_NAMES, GRID, ROW_NAMES, SHAPES, Scene, Split
 from vlmserve.testing.demo.scenes import rows as caption_rows
 
 MAX_SHAPES = 3
@@ -124,14 +123,11 @@ def probe_loss(probe: VisionProbe, batch: dict[str, mx.array]) -> mx.array:
     return loss + shown  # type: ignore[return-value]
 
 
-def sample_picture(rng: np.random.Generator, stage: Stage, split: Split = "train") -> tuple[Scene, Any, float]:
-    """A scene, its image and its canvas's aspect ratio, for ``stage``."""
-    if stage == "scenes" and rng.random() < 0.4:
-        scene = sample_scene(rng, split)
-        return scene, render(scene, sample_style(rng)), 1.0
-    aspect = sample_aspect(rng)
-    scene = sample_free_scene(rng, split, aspect, shapes=1 if stage == "lone" else None)
-    return scene, render(scene, sample_varied_style(rng, aspect)), aspect
+def sample_picture(rng: np.random.Generator, stage: Stage, split: Split = "train") -> tuple[Scene, Any]:
+    """A scene and its image for ``stage``: a lone shape anywhere, or (scenes) a grid scene in
+    the classic look 40% of the time, else a free-position one (``dialogues.sample_picture``)."""
+    free = not (stage == "scenes" and rng.random() < 0.4)
+    return dialogue_picture(rng, split, free=free, shapes=1 if stage == "lone" else None)
 
 
 def host_batches(processor: Any, rng: np.random.Generator, size: int, stage: Stage,
@@ -140,7 +136,7 @@ def host_batches(processor: Any, rng: np.random.Generator, size: int, stage: Sta
     (pictures of other aspect ratios wait for a batch of their own)."""
     waiting: dict[tuple[int, ...], list[tuple[Scene, np.ndarray]]] = {}
     while True:
-        scene, image, _ = sample_picture(rng, stage, split)
+        scene, image = sample_picture(rng, stage, split)
         pixels, _ = processor.image_processor([image])  # the processor's own resize and rescale
         array = np.asarray(pixels["pixel_values"])
         group = waiting.setdefault(array.shape, [])
