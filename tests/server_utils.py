@@ -76,3 +76,60 @@ def image_data_url(image: Image.Image, fmt: str = "PNG") -> str:
     buf = io.BytesIO()
     image.save(buf, format=fmt)
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@dataclass
+class PipelineProcess(ServerProcess):
+    """``mlx.launch --backend ring -n N -- vlmserve serve ...`` on loopback: rank 0 serves HTTP."""
+
+    ranks: int = 2
+
+    def rank_pid(self, rank: int) -> int:
+        import re
+
+        found = re.search(rf"pipeline rank {rank} of {self.ranks} \(pid (\d+)\)", self.log)
+        assert found, f"rank {rank} never started:\n{self.log}"
+        return int(found.group(1))
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        """SIGTERM to rank 0 (it drains, then stops every rank); whatever is left is killed."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.rank_pid(0), sig)
+                return self.proc.wait(timeout)
+            except (AssertionError, ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        self.kill_ranks()
+        return self.proc.wait(timeout)
+
+    def kill_ranks(self) -> None:
+        for rank in range(self.ranks):
+            try:
+                os.kill(self.rank_pid(rank), signal.SIGKILL)
+            except (AssertionError, ProcessLookupError):
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+def start_pipeline(args: list[str], log_path: Path, ranks: int = 2, wait_ready: bool = True, timeout: float = 120,
+                   models_by_rank: tuple[str, ...] | None = None) -> PipelineProcess:
+    """``args`` after ``serve``; ``models_by_rank``: a ``--model`` of its own for each rank (through a
+    shell line that reads ``MLX_RANK``), to make the ranks disagree."""
+    import shlex
+
+    port = free_port()
+    launcher = str(Path(sys.executable).parent / "mlx.launch")
+    command = ["-m", "vlmserve.cli", "--log-level", "info", "serve", "--port", str(port), *args]
+    interpreter = sys.executable
+    if models_by_rank is not None:
+        pick = " ".join(f"[ $MLX_RANK = {r} ] && M={shlex.quote(m)};" for r, m in enumerate(models_by_rank))
+        command = ["-c", f'{pick} exec {shlex.quote(sys.executable)} {shlex.join(command)} --model "$M"']
+        interpreter = "/bin/bash"
+    cmd = [launcher, "--backend", "ring", "-n", str(ranks), "--python", interpreter, "--", *command]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLMSERVE_NO_OPENBLAS": "1"}
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+    server = PipelineProcess(proc, port, log_path, ranks)
+    if wait_ready:
+        wait_for(server, "/ready", timeout)
+    return server

@@ -181,6 +181,9 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
                      help="seconds running requests get to finish after SIGTERM before they end with an error")
     srv.add_argument("--stream-stall-timeout", type=float, default=engine.stall_timeout_s,
                      help="seconds a client may read nothing while tokens wait before its request is aborted")
+    srv.add_argument("--pipeline-timeout", type=float, default=engine.pipeline_timeout_s,
+                     help="launched by mlx.launch on several ranks: seconds rank 0 waits on the others in a step or "
+                          "heartbeat before it declares one hung, ends every request and stops")
     srv.add_argument("--dtype", default=engine.dtype, choices=DTYPES, help=DTYPE_HELP)
     srv.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                      help="a Jinja chat template (a file, or the template itself) that replaces every model's own")
@@ -213,6 +216,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
     if args.max_batch_size < 1 or args.max_queue < 0 or min(positive) < 1 or args.stream_step_share <= 0:
         return ("--max-batch-size, --prefill-chunk, --stream-prefill-chunk and --encoder-budget must be >= 1, "
                 "--max-queue >= 0 and --stream-step-share > 0")
+    if args.pipeline_timeout <= 0:
+        return "--pipeline-timeout must be > 0"
     if args.shutdown_timeout < 0 or min(args.stream_stall_timeout, args.kv_cache_gb or 1, args.header_timeout,
                                         args.keep_alive_timeout) <= 0:
         return ("--shutdown-timeout must be >= 0; --stream-stall-timeout, --kv-cache-gb, --header-timeout and "
@@ -250,6 +255,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
         vision_cache_bytes=int(args.vision_cache_mb * 2**20), stall_timeout_s=args.stream_stall_timeout,
         mm_prefix_cache=args.mm_prefix_cache, mm_prefix_cache_bytes=int(args.mm_prefix_cache_gb * 2**30),
+        pipeline_timeout_s=args.pipeline_timeout, pipeline_heartbeat_s=min(2.0, args.pipeline_timeout / 4),
     )
     return ServeConfig(
         models=tuple(args.model), host=args.host, port=args.port, api_key=args.api_key,
@@ -271,10 +277,14 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
 
 
 def _serve_command(args: argparse.Namespace) -> int:
-    from vlmserve.server import serve
+    from vlmserve.server import serve, serve_rank
 
     config = serve_config(args)
-    return usage_error(config) if isinstance(config, str) else serve(config)
+    if isinstance(config, str):
+        return usage_error(config)
+    if "MLX_RANK" in os.environ:  # one rank of an mlx.launch group (engine/pipeline.py)
+        return serve_rank(config)
+    return serve(config)
 
 
 def _build_command(args: argparse.Namespace) -> int:

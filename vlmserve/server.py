@@ -128,6 +128,60 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+def serve_rank(config: ServeConfig) -> int:
+    """One rank of an ``mlx.launch`` group: rank 0 serves HTTP with the model split across every rank
+    (engine/pipeline.py); the others hold their layers and follow rank 0's steps until it stops."""
+    import dataclasses
+    import os
+
+    from vlmserve.engine.pipeline import group
+
+    size, rank = group().size(), int(os.environ["MLX_RANK"])
+    if size == 1:
+        return serve(config)
+    if len(config.models) > 1:
+        print("vlmserve: error: serving across ranks takes one --model", file=sys.stderr)
+        return 2
+    log.info("pipeline rank %d of %d (pid %d)", rank, size, os.getpid())
+    if rank == 0:
+        return serve(dataclasses.replace(config, engine=dataclasses.replace(config.engine, pipeline=True)))
+    return _follow(config, rank)
+
+
+def _follow(config: ServeConfig, rank: int) -> int:
+    """A rank other than 0: load its slice on its MLX worker, then run rank 0's steps until it says stop."""
+    from vlmserve.engine.loader import ModelLoadError, configure_process
+    from vlmserve.engine.pipeline import load_stage
+    from vlmserve.engine.pipeline_runner import FollowerRunner
+    from vlmserve.engine.worker import MLXWorkerThread
+
+    path, name = resolve_model(config.models[0] if config.models else None)
+    worker = MLXWorkerThread(name=f"mlx-rank{rank}")
+    worker.start()
+
+    def load() -> FollowerRunner:
+        configure_process()
+        loaded, stage = load_stage(path, name, config.engine.dtype, config.engine.trust_remote_code)
+        return FollowerRunner(loaded, stage)
+
+    try:
+        runner = worker.call(load)
+    except ModelLoadError as exc:
+        print(f"vlmserve: error: rank {rank}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        worker.call(runner.follow)
+    except Exception as exc:  # noqa: BLE001 - one line: which rank, and why
+        log.debug("pipeline rank %d stopped", rank, exc_info=True)
+        print(f"vlmserve: error: pipeline {runner.stage.describe()}: lost rank 0 or a neighbour ({exc}); stopping",
+              file=sys.stderr)
+        return 1
+    finally:
+        worker.shutdown()
+    log.info("pipeline %s: rank 0 stopped the group", runner.stage.describe())
+    return 0
+
+
 def serve(config: ServeConfig) -> int:
     """Run until a signal; non-zero exit when a model fails to load."""
     try:
@@ -153,6 +207,9 @@ def serve(config: ServeConfig) -> int:
                                log_config=None)  # uvicorn logs through ours: timestamps, one format
     server = _Server(uv_config, state, config.shutdown_timeout)
     holder.append(server)
+    for served in state.models:  # across ranks, a lost rank ends the server (every request gets an error first)
+        if config.engine.pipeline:
+            served.engine.on_dead = server.fail
     try:
         sock = listening_socket(uv_config)
     except OSError as exc:

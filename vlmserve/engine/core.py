@@ -7,6 +7,7 @@ import logging
 import queue
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -59,8 +60,10 @@ class Runner(Protocol):
 
 def scheduler_config(adapter: ModelAdapter, config: EngineConfig) -> SchedulerConfig:
     """The scheduler's view of one model: the engine's budgets and the adapter's layer facts."""
+    # Across ranks a prompt is not split by layers: each rank's slice runs whole, one hop each
+    layers, starts = (1, None) if config.pipeline else (adapter.num_layers, adapter.layer_starts())
     return SchedulerConfig(config.max_batch_size, config.prefill_chunk, config.stream_prefill_chunk,
-                           config.encoder_budget, adapter.num_layers, adapter.layer_starts(),
+                           config.encoder_budget, layers, starts,
                            adapter.num_vision_blocks, adapter.reuses_prefix, not adapter.trims_cache)
 
 
@@ -80,7 +83,8 @@ class EngineCore:
     """Owns the scheduler, the caches and the runner; every method runs on the worker."""
 
     def __init__(self, loaded: LoadedModel, worker: MLXWorkerThread, publish: Publisher,
-                 config: EngineConfig = EngineConfig(), runner: Runner | None = None) -> None:
+                 config: EngineConfig = EngineConfig(), runner: Runner | None = None,
+                 runner_for: Callable[[LoadedModel, EngineCaches], Runner] = ModelRunner) -> None:
         self.loaded = loaded
         self.worker = worker
         self.publish = publish  # called on the worker once per step; must only hand the batch over
@@ -89,7 +93,7 @@ class EngineCore:
         self.caches = EngineCaches(None, None)
         self._new_caches()
         self.scheduler = Scheduler(scheduler_config(loaded.adapter, config), self.kv, self.caches)
-        self.runner: Runner = runner if runner is not None else ModelRunner(loaded, self.caches)
+        self.runner: Runner = runner if runner is not None else runner_for(loaded, self.caches)
         self.costs = StepCosts(config.stream_step_share, FLOOR_TOKENS, config.prefill_chunk)
         self.metrics = EngineMetrics()
         self._inbox: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()

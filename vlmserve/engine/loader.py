@@ -56,18 +56,33 @@ def load_model(path_or_id: str, name: str | None = None, dtype: str = DEFAULT_DT
     from mlx_vlm.utils import load  # heavy import; keep it off module import
 
     start = time.perf_counter()
-    _check_local_path(path_or_id)
+    check_local_path(path_or_id)
     try:
         with warnings.catch_warnings():
             # Gemma 4's processor builds an audio front end we never use; its mel warning is noise.
             warnings.filterwarnings("ignore", message="At least one mel filter")
             extra: dict[str, Any] = {"trust_remote_code": True} if trust_remote_code else {}
             model, processor = load(path_or_id, **extra)
-        _cast_floats(model, serving_dtype(dtype, model))
-        mx.eval(model.parameters())
     except Exception as exc:  # noqa: BLE001 - every loader failure becomes one clear error
-        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")  # not a page of hints
-        raise ModelLoadError(f"cannot load model {path_or_id!r}: {type(exc).__name__}: {first}") from exc
+        raise load_error(path_or_id, exc) from exc
+    return finish_loading(model, processor, path_or_id, name, dtype, start)
+
+
+def load_error(path_or_id: str, exc: Exception) -> ModelLoadError:
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")  # not a page of hints
+    return ModelLoadError(f"cannot load model {path_or_id!r}: {type(exc).__name__}: {first}")
+
+
+def finish_loading(model: nn.Module, processor: Any, path_or_id: str, name: str | None, dtype: str, start: float,
+                   materialize: bool = True) -> LoadedModel:
+    """What the engine needs of a model mlx-vlm loaded: its serving dtype, its adapter, EOS ids and
+    context; every weight materialized unless ``materialize`` is off (a pipeline rank reads a slice)."""
+    try:
+        _cast_floats(model, serving_dtype(dtype, model))
+        if materialize:
+            mx.eval(model.parameters())
+    except Exception as exc:  # noqa: BLE001 - corrupt weights surface here
+        raise load_error(path_or_id, exc) from exc
     config = model.config
     model_type = str(getattr(config, "model_type", "unknown"))
     try:
@@ -117,7 +132,7 @@ def _cast_floats(model: nn.Module, dtype: mx.Dtype | None) -> None:
     log.info("serving float weights as %s", dtype)
 
 
-def _check_local_path(path_or_id: str) -> None:
+def check_local_path(path_or_id: str) -> None:
     # A path-looking argument that does not exist would otherwise be sent to the Hub.
     looks_local = path_or_id.startswith((".", "/", "~")) or path_or_id.count("/") > 1
     path = Path(path_or_id).expanduser()

@@ -78,10 +78,15 @@ class ModelRunner:
         for new in plan.new:
             self._guarded(out, [new.request_id], self._enter, new)
         self._encode_all(plan.encode, out)
+        self._share(plan, out)
         if plan.decode:
             self._guarded(out, plan.decode, lambda: out.samples.update(self.decode(out.errors)))
         self._prefill_all(plan, out)
         return out
+
+    def _share(self, plan: SchedulerOutput, out: RunnerOutput) -> None:
+        """Between the embedding and the language model: nothing alone; a pipeline's rank 0 sends the
+        step to the other ranks here (pipeline_runner.py)."""
 
     def _encode_all(self, pieces: list[EncodeChunk], out: RunnerOutput) -> None:
         whole = [c.request_id for c in pieces if c.whole and c.request_id not in out.errors]

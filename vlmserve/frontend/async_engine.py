@@ -7,7 +7,9 @@ MLX worker thread. The event loop only moves messages: it never runs or waits on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import dataclasses
 import itertools
 import logging
 import math
@@ -19,13 +21,17 @@ from typing import Any, TypeVar
 
 from PIL import Image
 
+from vlmserve.engine.caches import EngineCaches
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import LoadedModel, ModelLoadError, configure_process, load_model
 from vlmserve.engine.memory import KVBudget
 from vlmserve.engine.models import SUPPORTED_FAMILIES
 from vlmserve.engine.params import Guide, PromptInputs, SamplingParams
+from vlmserve.engine.pipeline import Stage, load_stage
+from vlmserve.engine.pipeline_runner import LeaderRunner, Watch
 from vlmserve.engine.request import AbortRequest, AddRequest, EngineMetrics, StepOutput, StepOutputs
+from vlmserve.engine.runner import ModelRunner
 from vlmserve.engine.worker import MLXWorkerThread
 from vlmserve.frontend.output import OutputProcessor, RequestOutput
 from vlmserve.preprocess.guided import GuideCompiler, GuideSpec
@@ -85,6 +91,8 @@ class AsyncEngine:
                  pool: ThreadPoolExecutor | None = None, image_pool: ThreadPoolExecutor | None = None) -> None:
         self.model_spec = model
         self.name = name or model
+        if config.pipeline:  # the other ranks cannot look up a prefix rank 0 cached (engine/pipeline.py)
+            config = dataclasses.replace(config, prefix_cache=False, mm_prefix_cache=False)
         self.config = config
         self._pool = pool or ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="preprocess")
         self._image_pool = image_pool or ThreadPoolExecutor(max_workers=config.image_threads,
@@ -109,6 +117,11 @@ class AsyncEngine:
         self._start_ids: set[str] = set()  # the warm-up's own requests: the only ones served before ready
         self.stalled = 0  # requests aborted because their consumer stopped reading
         self.on_step: Callable[[EngineMetrics], None] | None = None  # on the loop, once per engine step
+        # On the loop when the engine can never serve again (its worker died, a pipeline rank was lost):
+        self.on_dead: Callable[[str], None] | None = None
+        self.stage: Stage | None = None  # this rank's layers, when served across ranks
+        self._runner: LeaderRunner | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
         self._metrics = EngineMetrics()
 
     # -- life cycle ------------------------------------------------------------------
@@ -132,7 +145,8 @@ class AsyncEngine:
             self._pool, copy.deepcopy, self.loaded.tokenizer)
         self.tool_format = self._tool_format()
         self.guides = GuideCompiler(self.loaded.tokenizer, self.loaded.eos_token_ids, self.opens_reasoning)
-        self.core = EngineCore(self.loaded, self.worker, self._publish_threadsafe, self.config)
+        self.core = EngineCore(self.loaded, self.worker, self._publish_threadsafe, self.config,
+                               runner_for=self._leader if self.stage is not None else ModelRunner)
         self.worker.set_stepper(self.core)
         if warmup:
             await self._warmup()
@@ -144,6 +158,8 @@ class AsyncEngine:
         self._metrics = await self.worker.run(self.core.snapshot)  # not the warm-up's last step
         self.ready = True
         self._watchdog = asyncio.create_task(self._watch_consumers())
+        if self._runner is not None:
+            self._heartbeat = asyncio.create_task(self._beat(self._runner))
         log.info("model %s (%s): loaded in %.2f s, warmed up in %.2f s; KV cache %.1f KiB per position, budget %.2f GiB",
                  self.name, self.loaded.model_type, loaded - began, time.perf_counter() - loaded,
                  self.kv.footprint.per_position / 1024, (self.kv.limit_bytes or 0) / 2**30)
@@ -158,10 +174,46 @@ class AsyncEngine:
     def _load(self) -> LoadedModel:
         self.worker.assert_on_worker()
         configure_process()
-        loaded = load_model(self.model_spec, self.name, self.config.dtype, self.config.trust_remote_code)
+        if self.config.pipeline:
+            loaded, self.stage = load_stage(self.model_spec, self.name, self.config.dtype, self.config.trust_remote_code)
+        else:
+            loaded = load_model(self.model_spec, self.name, self.config.dtype, self.config.trust_remote_code)
         if self.config.max_model_len:
             loaded.max_context = min(loaded.max_context, self.config.max_model_len)
         return loaded
+
+    # -- across ranks ----------------------------------------------------------------------
+
+    def _leader(self, loaded: LoadedModel, caches: EngineCaches) -> LeaderRunner:
+        """Rank 0's runner (on the worker), watched for ranks that stop answering."""
+        assert self.stage is not None
+        watch = Watch(self.stage, self.config.pipeline_timeout_s)
+        watch.on_hang = self._lost_threadsafe
+        self._runner = LeaderRunner(loaded, caches, self.stage, watch)
+        return self._runner
+
+    async def _beat(self, runner: LeaderRunner) -> None:
+        """Ping every rank now and then, so a rank that hangs while nothing runs is noticed too."""
+        while self.worker.alive:
+            await asyncio.sleep(self.config.pipeline_heartbeat_s)
+            try:
+                await self.worker.run(runner.heartbeat)
+            except Exception:  # noqa: BLE001 - the worker died: _on_worker_exit says why
+                return
+
+    def _lost_threadsafe(self, message: str) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed between the check and the call
+                self._loop.call_soon_threadsafe(self._die, message)
+
+    def _die(self, reason: str, fault: bool = True) -> None:
+        """The engine can never serve again: unready, every request ends with ``reason``; a fault (not
+        a shutdown) is reported to ``on_dead``."""
+        self.ready = False
+        self.dead_reason = self.dead_reason or reason
+        self._fail_streams(self.dead_reason)
+        if fault and self.on_dead is not None:
+            self.on_dead(self.dead_reason)
 
     def _cache_hints(self) -> CacheHints:
         """What this model's prefix caches need of phase 1: snapshot points where its cache cannot be cut
@@ -233,8 +285,9 @@ class AsyncEngine:
 
     async def shutdown(self, message: str = "engine is shutting down") -> None:
         """Wake every waiting request with an error, stop the worker and join it."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        for task in (self._watchdog, self._heartbeat):
+            if task is not None:
+                task.cancel()
         self.ready = False
         self.dead_reason = self.dead_reason or message
         self._fail_streams(message)
@@ -243,6 +296,9 @@ class AsyncEngine:
                 await asyncio.wait_for(self.worker.run(self.core.fail_all, message), timeout=10)
             except Exception:  # noqa: BLE001 - a dying worker is being stopped anyway
                 log.warning("engine %s: could not fail requests on the worker", self.name)
+            if self._runner is not None:  # then every other rank stops
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.worker.run(self._runner.close), timeout=10)
         await asyncio.get_running_loop().run_in_executor(None, self.worker.shutdown)
 
     def _on_worker_exit_threadsafe(self, error: BaseException | None) -> None:
@@ -253,10 +309,10 @@ class AsyncEngine:
                 pass  # the loop closed between the check and the call
 
     def _on_worker_exit(self, error: BaseException | None) -> None:
-        self.ready = False
         reason = f"MLX worker died: {error!r}" if error else "MLX worker stopped"
-        self.dead_reason = self.dead_reason or reason
-        self._fail_streams(self.dead_reason)
+        if error is not None and self.stage is not None:
+            reason = f"pipeline: lost {self.stage.peers} ({error}); ending every request and stopping"
+        self._die(reason, fault=error is not None)
 
     def _fail_streams(self, message: str) -> None:
         for request_id, q in self._streams.items():

@@ -41,17 +41,28 @@ class BuildKey:
     ignore_eos: bool
     quant_bits: int = 0  # 0: float weights; 4 or 8: quantized by mlx-vlm's own convert
     tools: bool = False  # tuned to answer one tool round trip (tool_tuning.py)
+    # Gemma 4 only: its last layers read earlier layers' KV, as E2B/E4B's last 20 of 35 do
+    kv_shared_layers: int = 0
     builder_version: int = BUILDER_VERSION
     # the tokenizer is trained on this interpreter's stdlib sources
     python: str = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+    def record(self) -> dict[str, Any]:
+        """The key as the marker file keeps it; a field at its default that older builds lack is left
+        out, so their cached builds still match."""
+        record = asdict(self)
+        if not self.kv_shared_layers:
+            del record["kv_shared_layers"]
+        return record
 
     @property
     def dirname(self) -> str:
         eos = "-ignore_eos" if self.ignore_eos else ""
         quant = f"-q{self.quant_bits}" if self.quant_bits else ""
         tools = "-tools" if self.tools else ""
+        shared = f"-kvshared{self.kv_shared_layers}" if self.kv_shared_layers else ""
         version = f"v{self.builder_version}-py{self.python}"
-        return f"{self.arch}-{self.size}-seed{self.seed}{eos}{quant}{tools}-{version}"
+        return f"{self.arch}-{self.size}-seed{self.seed}{eos}{quant}{tools}{shared}-{version}"
 
 
 def model_cache_dir() -> Path:
@@ -69,6 +80,7 @@ def build_model(
     ignore_eos: bool = False,
     quant_bits: int = 0,
     tools: bool = False,
+    kv_shared_layers: int = 0,
     force: bool = False,
 ) -> Path:
     """Return a directory ``mlx_vlm.load`` can load, building it unless it is already complete.
@@ -76,13 +88,17 @@ def build_model(
     ``out=None`` uses the shared cache; ``ignore_eos=True`` zeroes the special tokens' output
     rows so every request runs to max_tokens (for benchmarks, see weights.silence_tokens);
     ``quant_bits=4`` quantizes the language model as ``mlx_vlm.convert -q`` does (group 64);
-    ``tools=True`` fine-tunes the model to answer one tool round trip in its family's syntax.
+    ``tools=True`` fine-tunes the model to answer one tool round trip in its family's syntax;
+    ``kv_shared_layers`` (Gemma 4) makes that many last layers read earlier layers' KV.
     """
     if quant_bits not in (0, 4, 8):
         raise ValueError(f"quant_bits must be 0, 4 or 8, not {quant_bits}")
     if quant_bits and tools:
         raise ValueError("a model is either quantized or tuned for tools, not both")
-    key = BuildKey(_checked(arch, ARCHS, "arch"), _checked(size, SIZES, "size"), seed, ignore_eos, quant_bits, tools)
+    if kv_shared_layers and (arch != "gemma4" or quant_bits or tools):
+        raise ValueError("kv_shared_layers is a float Gemma 4 build's")
+    key = BuildKey(_checked(arch, ARCHS, "arch"), _checked(size, SIZES, "size"), seed, ignore_eos, quant_bits, tools,
+                   kv_shared_layers)
     dest = Path(out) if out is not None else model_cache_dir() / key.dirname
     if not force and is_complete(dest, key):
         return dest
@@ -115,7 +131,7 @@ def is_complete(path: Path, key: BuildKey) -> bool:
         marker = json.loads((path / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("key") == asdict(key)
+    return marker.get("key") == key.record()
 
 
 def publish(tmp: Path, dest: Path, key: BuildKey, *, replace: bool) -> Path:
@@ -150,7 +166,7 @@ def write_model(key: BuildKey, path: Path) -> None:
     from vlmserve.progress import progress
 
     start = time.perf_counter()
-    recipe = load_recipe(key.arch, key.size)
+    recipe = load_recipe(key.arch, key.size, key.kv_shared_layers)
     with progress(STAGES, desc=f"building {key.arch}/{key.size}", file=sys.stderr, leave=False) as bar:
         bar.set_postfix_str("tokenizer")
         tokenizer = _build_tokenizer(recipe)
@@ -165,7 +181,7 @@ def write_model(key: BuildKey, path: Path) -> None:
         info = _save(recipe, processor, tensors, path)
         bar.update(1)
     info["build_seconds"] = round(time.perf_counter() - start, 3)
-    _write_json(path / MARKER, {"key": asdict(key), **info})
+    _write_json(path / MARKER, {"key": key.record(), **info})
 
 
 def _write_quantized(key: BuildKey, path: Path) -> None:
@@ -181,7 +197,7 @@ def _write_quantized(key: BuildKey, path: Path) -> None:
         convert(str(source), mlx_path=str(path), quantize=True, q_bits=key.quant_bits, q_group_size=64)
     (path / "README.md").unlink(missing_ok=True)
     info = json.loads((source / MARKER).read_text())
-    info |= {"key": asdict(key), "quantized_from": dataclasses.asdict(dataclasses.replace(key, quant_bits=0)),
+    info |= {"key": key.record(), "quantized_from": dataclasses.replace(key, quant_bits=0).record(),
              "build_seconds": round(time.perf_counter() - start, 3)}
     _write_json(path / MARKER, info)
 
@@ -203,14 +219,16 @@ def _write_tuned(key: BuildKey, path: Path) -> None:
     steps = tune(model, processor, frozenset(recipe.eos_ids), key.seed)
     save_weights(weight_tensors(model, recipe.dims.dtype, skip=recipe.skip_weights), path / "model.safetensors")
     info = json.loads((source / MARKER).read_text())
-    info |= {"key": asdict(key), "tuned_from": dataclasses.asdict(dataclasses.replace(key, tools=False)),
+    info |= {"key": key.record(), "tuned_from": dataclasses.replace(key, tools=False).record(),
              "tuning_steps": steps, "build_seconds": round(time.perf_counter() - start, 3)}
     _write_json(path / MARKER, info)
 
 
-def load_recipe(arch: str, size: str) -> Recipe:
+def load_recipe(arch: str, size: str, kv_shared_layers: int = 0) -> Recipe:
     # imported here: the arch modules import mlx, which a cache hit must not pay for
     module = importlib.import_module(f"{__package__}.{arch}")
+    if kv_shared_layers:
+        return module.recipe(size, kv_shared_layers)
     return module.recipe(size)
 
 

@@ -56,7 +56,7 @@ DIMS = {"micro": MICRO, "small": SMALL}
 PER_LAYER_INPUT = {"micro": 8, "small": 32}  # Gemma 4 E2B/E4B's per-layer token embeddings
 
 
-def recipe(size: str) -> Recipe:
+def recipe(size: str, kv_shared_layers: int = 0) -> Recipe:
     dims = DIMS[size]
     tokens = TokenizerSpec(
         vocab_size=dims.vocab,
@@ -69,13 +69,13 @@ def recipe(size: str) -> Recipe:
         arch="gemma4",
         dims=dims,
         tokens=tokens,
-        config=model_config(dims, tokens, PER_LAYER_INPUT[size]),
+        config=model_config(dims, tokens, PER_LAYER_INPUT[size], kv_shared_layers),
         make_processor=lambda tokenizer: make_processor(tokenizer, dims),
         fix_init=fix_init,
     )
 
 
-def text_config(dims: Dims, per_layer_input: int) -> dict[str, Any]:
+def text_config(dims: Dims, per_layer_input: int, kv_shared_layers: int = 0) -> dict[str, Any]:
     layer_types = ["sliding_attention"] * dims.layers
     layer_types[-1] = "full_attention"  # like Gemma 4: sliding layers, then a global one
     if dims.layers > 3:
@@ -92,7 +92,7 @@ def text_config(dims: Dims, per_layer_input: int) -> dict[str, Any]:
         "vocab_size": dims.vocab,
         "vocab_size_per_layer_input": dims.vocab,
         "hidden_size_per_layer_input": per_layer_input,
-        "num_kv_shared_layers": 0,
+        "num_kv_shared_layers": kv_shared_layers,
         "sliding_window": 512,
         "layer_types": layer_types,
         "max_position_embeddings": 32768,
@@ -121,12 +121,12 @@ def vision_config(dims: Dims) -> dict[str, Any]:
     }
 
 
-def model_config(dims: Dims, tokens: TokenizerSpec, per_layer_input: int) -> dict[str, Any]:
+def model_config(dims: Dims, tokens: TokenizerSpec, per_layer_input: int, kv_shared_layers: int = 0) -> dict[str, Any]:
     ids = {name: tokens.id_of(token) for name, token in NAMED_TOKENS.items()}
     return {
         "architectures": ["Gemma4ForConditionalGeneration"],
         "model_type": "gemma4",
-        "text_config": text_config(dims, per_layer_input),
+        "text_config": text_config(dims, per_layer_input, kv_shared_layers),
         "vision_config": vision_config(dims),
         # absent, mlx_vlm.load builds a default 12-layer audio tower, then drops it with a warning
         "audio_config": None,

@@ -51,6 +51,7 @@ class Gemma4Adapter(ModelAdapter):
     tool_format: ClassVar[str | None] = "gemma4"
     batch_embed: ClassVar[bool] = True
     vision_cache: ClassVar[bool] = True
+    layer_returns_tuple: ClassVar[bool] = True
 
     @property
     def mm_prefix_exact(self) -> bool:

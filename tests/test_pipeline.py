@@ -1,0 +1,224 @@
+"""One model across two ranks: ``mlx.launch --backend ring -n 2 -- vlmserve serve`` on loopback.
+
+Each family's model runs split (rank 1 the first layers, rank 0 the rest, the vision tower and the
+head) beside a single-process server on the same model, prefix cache off on both: greedy tokens
+must be the single process's, alone and in a batch of 8. Then the faults: a rank killed or stopped
+mid-stream, ranks that disagree, and SIGTERM's drain.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import httpx
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import scene
+from server_utils import image_data_url, start_pipeline, start_server
+
+from vlmserve.engine.models import Embedded
+from vlmserve.engine.pipeline import PipelineError, split_layers
+from vlmserve.engine.pipeline_runner import Link, StepMessage
+from vlmserve.engine.plan import PrefillChunk
+from vlmserve.testing import build_model
+
+# (arch, size, kv_shared_layers): Gemma 4 small's last 2 of 6 layers read layers 2 and 3's KV
+FAMILIES = [("gemma3", "micro", 0), ("gemma4", "micro", 0), ("qwen2_5_vl", "micro", 0), ("qwen3_5", "micro", 0),
+            ("gemma4", "small", 2)]
+IMAGES = [image_data_url(scene("circle", (220, 30, 30))), image_data_url(scene("square", (30, 30, 220)))]
+
+
+def _id(family: tuple[str, str, int]) -> str:
+    arch, size, shared = family
+    return f"{arch}-{size}" + (f"-kvshared{shared}" if shared else "")
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=_id)
+def pair(request, tmp_path_factory):
+    """A two-rank server and a single-process one on the same model."""
+    arch, size, shared = request.param
+    path = str(build_model(arch, size, kv_shared_layers=shared))
+    logs = tmp_path_factory.mktemp(f"pipeline-{_id(request.param)}")
+    single = start_server(["--model", path, "--no-prefix-cache"], logs / "single.log")
+    split = start_pipeline(["--model", path], logs / "split.log")
+    yield path, single, split
+    single.stop()
+    assert split.stop() == 0, split.log
+
+
+def _chat(server: Any, model: str, text: str, images: int = 0, max_tokens: int = 16) -> dict[str, Any]:
+    content = [{"type": "image_url", "image_url": {"url": IMAGES[i]}} for i in range(images)]
+    body = {"model": model, "messages": [{"role": "user", "content": [*content, {"type": "text", "text": text}]}],
+            "max_tokens": max_tokens, "temperature": 0, "logprobs": True}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    return {"tokens": [t["token"] for t in choice["logprobs"]["content"]],
+            "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]],
+            "text": (choice["message"].get("reasoning_content") or "") + (choice["message"]["content"] or "")}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Same greedy tokens; logprobs equal to float noise (Qwen3.5's differ by ~1e-6 in a batch)."""
+    close = len(a["logprobs"]) == len(b["logprobs"]) and np.allclose(a["logprobs"], b["logprobs"], atol=1e-4)
+    return a["tokens"] == b["tokens"] and a["text"] == b["text"] and close
+
+
+@pytest.mark.parametrize("images", [0, 1, 2])
+def test_greedy_tokens_equal_the_single_process_engine(pair, images):
+    model, single, split = pair
+    text = ["Say something about the weather.", "What is in the picture?", "Compare the two pictures."][images]
+    alone, across = _chat(single, model, text, images), _chat(split, model, text, images)
+    assert alone["tokens"], alone
+    assert _same(across, alone), (across, alone)
+
+
+def test_eight_mixed_requests_batched_across_ranks_match_each_alone(pair):
+    model, single, split = pair
+    mixed = [(f"Request {i}: " + "more words " * (3 * i), i % 3, 6 + 2 * i) for i in range(8)]
+    alone = [_chat(single, model, *m) for m in mixed]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda m: _chat(split, model, *m), mixed))
+    assert [_same(a, b) for a, b in zip(together, alone)] == [True] * 8
+
+
+def test_each_rank_holds_its_slice(pair):
+    model, _, split = pair
+    lines = [line for line in split.log.splitlines() if "pipeline rank " in line and "layers" in line]
+    assert len(lines) == 2, split.log
+    assert any("rank 1/2: layers 0-" in line for line in lines) and any("rank 0/2: layers " in line for line in lines)
+
+
+# -- faults --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def endless() -> str:
+    """Special tokens silenced: every request runs to max_tokens."""
+    return str(build_model("gemma4", "micro", ignore_eos=True))
+
+
+def _stream_until(server: Any, model: str, after_chunks: int, act: Any) -> tuple[list[dict[str, Any]], float]:
+    """Stream one endless request; after ``after_chunks`` tokens call ``act``; return every event and
+    the seconds from ``act`` to the stream's end."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 100000,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    events, acted = [], None
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[6:]))
+            if acted is None and len(events) == after_chunks:
+                act()
+                acted = time.monotonic()
+    assert acted is not None, events
+    return events, time.monotonic() - acted
+
+
+def test_a_rank_killed_mid_stream_ends_every_request_with_an_error(endless, tmp_path):
+    split = start_pipeline(["--model", endless, "--pipeline-timeout", "5"], tmp_path / "split.log")
+    try:
+        events, took = _stream_until(split, endless, 20, lambda: os.kill(split.rank_pid(1), signal.SIGKILL))
+        assert "error" in events[-1], events[-1]
+        assert took < 5, took
+        assert split.proc.wait(30) is not None
+        assert "lost rank 1" in split.log or "Node with rank 1 exited" in split.log, split.log
+    finally:
+        split.kill_ranks()
+
+
+def test_a_stopped_rank_is_noticed_within_the_timeout(endless, tmp_path):
+    split = start_pipeline(["--model", endless, "--pipeline-timeout", "2"], tmp_path / "split.log")
+    stopped = split.rank_pid(1)
+    try:
+        events, took = _stream_until(split, endless, 20, lambda: os.kill(stopped, signal.SIGSTOP))
+        assert "rank 1 did not answer" in events[-1]["error"]["message"], events[-1]
+        assert took < 2 + 3, took  # the timeout, and the watchdog's tick
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "Node with rank 0 exited with code 1" not in split.log:
+            time.sleep(0.1)
+        assert "Node with rank 0 exited with code 1" in split.log, split.log
+    finally:
+        split.kill_ranks()
+
+
+def test_a_rank_stopped_while_idle_makes_rank_0_unready(endless, tmp_path):
+    split = start_pipeline(["--model", endless, "--pipeline-timeout", "2"], tmp_path / "split.log")
+    try:
+        os.kill(split.rank_pid(1), signal.SIGSTOP)
+        deadline, ready = time.monotonic() + 10, True
+        while time.monotonic() < deadline and ready:
+            try:
+                ready = httpx.get(split.url + "/ready", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                ready = False  # rank 0 already exited
+            time.sleep(0.1)
+        assert not ready
+        assert "rank 1 did not answer a heartbeat" in split.log, split.log
+    finally:
+        split.kill_ranks()
+
+
+def test_sigterm_on_rank_0_drains_then_stops_every_rank(endless, tmp_path):
+    split = start_pipeline(["--model", endless, "--shutdown-timeout", "30"], tmp_path / "split.log")
+    body = {"model": endless, "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 120,
+            "temperature": 0, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(httpx.post, split.url + "/v1/chat/completions", json=body, timeout=60)
+        time.sleep(0.5)
+        os.kill(split.rank_pid(0), signal.SIGTERM)
+        response = running.result()
+    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
+    assert split.proc.wait(30) == 0
+    assert "rank 0 stopped the group" in split.log, split.log
+
+
+def test_ranks_that_disagree_about_the_model_refuse_to_start(tmp_path):
+    a, b = str(build_model("gemma3", "micro")), str(build_model("gemma4", "micro"))
+    split = start_pipeline([], tmp_path / "split.log", wait_ready=False, models_by_rank=(a, b))
+    try:
+        split.proc.wait(60)
+        assert "ranks disagree about the model or vlmserve/MLX version: rank(s) [1] differ from rank 0" in split.log
+    finally:
+        split.kill_ranks()
+
+
+# -- the parts, without a launch --------------------------------------------------------------
+
+
+def test_layers_split_by_each_ranks_memory_the_last_rank_first():
+    assert split_layers(8, [1, 1]) == [(4, 8), (0, 4)]
+    assert split_layers(8, [3, 1]) == [(2, 8), (0, 2)]  # rank 0 has three times the memory
+    assert split_layers(6, [1, 1, 1]) == [(4, 6), (2, 4), (0, 2)]
+    assert split_layers(3, [100, 1]) == [(1, 3), (0, 1)]  # every rank keeps a layer
+
+
+def test_a_slice_starts_only_where_shared_kv_allows():
+    # Gemma 4 with shared KV: the readers' first source is layer 2, so a slice starts at 1 or 2
+    assert split_layers(6, [1, 1], starts=(0, 1, 2)) == [(2, 6), (0, 2)]
+    with pytest.raises(PipelineError, match="cannot be split 2 ways"):
+        split_layers(6, [1, 1], starts=(0,))
+    with pytest.raises(PipelineError, match="at most one rank per layer"):
+        split_layers(2, [1, 1, 1])
+
+
+def test_a_step_message_carries_embeddings_and_plan_unchanged():
+    embeds = mx.arange(12, dtype=mx.float32).reshape(1, 3, 4)
+    embedded = Embedded(embeds, {"position_ids": mx.ones((3, 1, 3), dtype=mx.int32), "grid": [mx.zeros((0,))]},
+                        {"rope_deltas": mx.array([[2]], dtype=mx.int32)})
+    message = StepMessage(finished=["a"], embedded={"b": embedded}, tokens=[5, 6],
+                          prefill=[PrefillChunk("b", 0, 3)], prefill_groups=[["b", "c"]])
+    blob, arrays = Link._pack(message)
+    back = Link._unpack(blob, arrays)
+    assert (back.finished, back.tokens, back.prefill, back.prefill_groups) == (["a"], [5, 6], message.prefill, [["b", "c"]])
+    got = back.embedded["b"]
+    assert mx.array_equal(got.inputs_embeds, embeds) and mx.array_equal(got.row_state["rope_deltas"], mx.array([[2]]))
+    assert mx.array_equal(got.lm_kwargs["position_ids"], embedded.lm_kwargs["position_ids"])
+    assert got.lm_kwargs["grid"][0].shape == (0,)

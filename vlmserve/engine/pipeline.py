@@ -1,0 +1,334 @@
+"""[worker] One model's language model split across ranks (pipeline parallel, ``mx.distributed``).
+
+``mlx.launch --backend ring -n 2 -- vlmserve serve --model X`` runs one process per rank. Each rank
+holds a contiguous slice of the decoder layers: the last rank the first layers, rank 0 the last ones
+with the head (mlx-lm's ``pipeline()`` layout: the hidden state flows rank N-1 -> ... -> 0 and never
+hops back). Rank 0 also holds the vision tower and runs the HTTP server, phase 1 and the scheduler;
+every step's plan goes from it to every rank (pipeline_runner.py), and each rank runs the same
+runner code on it, on its own MLX worker thread.
+
+How a rank runs only its slice: mlx-vlm's own forward runs unchanged on every rank, so masks, M-RoPE
+positions, per-layer inputs and shared KV are what a single process computes. A layer held elsewhere
+is a stand-in (``_Elsewhere``) that passes the hidden state through and moves its cache on by the
+positions it would have written without storing any (zero-width keys and values), so offsets, left
+padding and masks stay exact. The slice's first layer takes its input from the rank before it
+(``recv``), its last sends its output to the next (``send``); both are evaluated as the forward is
+built, so every rank's hops happen in one order whatever MLX's graph order.
+
+The weights load lazily (``mlx_vlm.load(lazy=True)``) and only the slice's (and on rank 0 the
+vision tower's, embeddings' and head's) are materialized: layers held elsewhere are dropped unread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from vlmserve import __version__
+from vlmserve.engine.loader import LoadedModel, ModelLoadError, check_local_path, finish_loading, load_error
+from vlmserve.engine.models import ModelAdapter
+
+log = logging.getLogger(__name__)
+
+
+class PipelineError(RuntimeError):
+    """The process group cannot serve: a rank died, hung, or disagrees with rank 0."""
+
+
+def launched() -> bool:
+    """Whether this process is one rank of an ``mlx.launch`` group (it sets ``MLX_RANK``)."""
+    return "MLX_RANK" in os.environ
+
+
+def group() -> mx.distributed.Group:
+    """The launch's process group (MLX's global one: the same group on every thread)."""
+    return mx.distributed.init(strict=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """This rank's slice of the decoder layers, ``[first, last)`` of ``num_layers``."""
+
+    rank: int
+    size: int
+    first: int
+    last: int
+    num_layers: int
+
+    @property
+    def upstream(self) -> int | None:
+        """The rank whose output the slice's first layer takes (None: this rank embeds)."""
+        return self.rank + 1 if self.first > 0 else None
+
+    @property
+    def downstream(self) -> int | None:
+        """The rank the slice's output goes to (None: this rank runs the head, rank 0)."""
+        return self.rank - 1 if self.rank > 0 else None
+
+    @property
+    def peers(self) -> str:
+        """The rank(s) rank 0 waits on, for errors: the hidden state comes to it through rank 1."""
+        return "rank 1" if self.size == 2 else f"rank 1 or a rank after it (of {self.size})"
+
+    def describe(self) -> str:
+        return f"rank {self.rank}/{self.size}: layers {self.first}-{self.last - 1} of {self.num_layers}"
+
+
+def split_layers(num_layers: int, shares: Sequence[float], starts: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+    """Each rank's contiguous slice ``(first, last)``, sized by its share (its free memory): the last
+    rank takes the first layers, rank 0 the last ones. A slice may start only at ``starts`` (None:
+    anywhere), where a layer that reads another's KV within the forward (Gemma 4's shared KV) stays
+    with what it reads."""
+    size = len(shares)
+    if size > num_layers:
+        raise PipelineError(f"{size} ranks for {num_layers} decoder layers: at most one rank per layer")
+    total = float(sum(shares))
+    order = list(reversed(range(size)))  # ranks in layer order
+    bounds, acc = [0], 0.0
+    for rank in order[:-1]:
+        acc += shares[rank] / total
+        bound = round(acc * num_layers)
+        if starts is not None:
+            allowed = [s for s in starts if bounds[-1] < s < num_layers]
+            if not allowed:
+                raise PipelineError(f"the model cannot be split {size} ways: a slice may start only at layers "
+                                    f"{list(starts)} (shared KV)")
+            bound = min(allowed, key=lambda s: (abs(s - bound), s))
+        bound = min(max(bound, bounds[-1] + 1), num_layers - (size - len(bounds)))
+        bounds.append(bound)
+    bounds.append(num_layers)
+    slices = [(0, 0)] * size
+    for i, rank in enumerate(order):
+        slices[rank] = (bounds[i], bounds[i + 1])
+    return slices
+
+
+# -- the slice in the model's own forward ------------------------------------------------
+
+
+def _advance(cache: Any, h: mx.array) -> None:
+    """Move a cache held elsewhere on by ``h``'s positions, storing nothing (zero-width keys and values).
+    Recurrent state (``ArraysCache``: Qwen3.5's linear attention) has no positions: it stays empty."""
+    if hasattr(cache, "update_and_fetch"):
+        empty = mx.zeros((h.shape[0], 1, h.shape[1], 0), dtype=h.dtype)
+        cache.update_and_fetch(empty, empty)
+
+
+class _Elsewhere(nn.Module):  # type: ignore[misc]  # mlx.nn has no type information
+    """A decoder layer another rank holds: the hidden state passes through, its cache moves on.
+    Attributes the forward reads of a layer (Qwen's rotary embedding on layer 0, Gemma's
+    ``layer_type``) come from the real one, kept outside the module tree: its weights are never read."""
+
+    def __init__(self, layer: nn.Module, returns_tuple: bool) -> None:
+        super().__init__()
+        object.__setattr__(self, "_held_elsewhere", layer)  # not a child: parameters() never walks it
+        self._returns_tuple = returns_tuple
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") or "_held_elsewhere" not in self.__dict__:
+                raise
+            return getattr(self.__dict__["_held_elsewhere"], name)
+
+    def __call__(self, h: mx.array, mask: Any = None, cache: Any = None, *args: Any, **kwargs: Any) -> Any:
+        offset = kwargs.get("offset")  # Gemma 4: the position the layer's keys start at, as its attention returns it
+        if cache is not None:
+            offset = getattr(cache, "offset", offset)
+            _advance(cache, h)
+        return (h, None, offset) if self._returns_tuple else h
+
+
+class _Boundary(nn.Module):  # type: ignore[misc]  # mlx.nn has no type information
+    """One of this rank's layers at its slice's edge: takes its input from ``recv_from`` and/or
+    sends its output to ``send_to``, each evaluated at once (see the module's docstring)."""
+
+    def __init__(self, layer: nn.Module, recv_from: int | None, send_to: int | None) -> None:
+        super().__init__()
+        self.layer = layer
+        self._recv_from, self._send_to = recv_from, send_to
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "layer" or "layer" not in self:
+                raise
+            return getattr(self["layer"], name)
+
+    def __call__(self, h: mx.array, *args: Any, **kwargs: Any) -> Any:
+        if self._recv_from is not None:
+            h = mx.distributed.recv_like(h, self._recv_from)
+            mx.eval(h)
+        out = self.layer(h, *args, **kwargs)
+        if self._send_to is not None:
+            hidden = out[0] if isinstance(out, tuple) else out
+            mx.eval(mx.distributed.send(hidden, self._send_to))
+        return out
+
+
+def text_model(adapter: ModelAdapter) -> Any:
+    """The language model's decoder (``language_model.model``), whose ``layers`` a stage splits."""
+    inner = getattr(adapter.language_model, "model", None)
+    if not isinstance(getattr(inner, "layers", None), list):
+        raise PipelineError(f"{type(adapter.model).__name__}: no decoder layer list to split")
+    return inner
+
+
+def splittable(adapter: ModelAdapter) -> str | None:
+    """Why this family's language model cannot be split (None: it can). A layer held elsewhere must
+    move its cache on without storing it: KV caches and recurrent state (``ArraysCache``) can."""
+    from mlx_lm.models.cache import ArraysCache as LMArrays
+    from mlx_vlm.models.cache import ArraysCache as VLMArrays
+
+    for cache in adapter.make_cache():
+        kv = hasattr(cache, "update_and_fetch") and hasattr(cache, "offset")
+        if cache is not None and not kv and not isinstance(cache, (LMArrays, VLMArrays)):
+            return f"its layers keep {type(cache).__name__} state, which a rank without the layer cannot follow"
+    return None
+
+
+def install(adapter: ModelAdapter, stage: Stage) -> list[nn.Module]:
+    """Put the stand-ins and the boundary layers in the decoder's layer list; returns the layers
+    dropped (held elsewhere), whose weights are never read."""
+    inner = text_model(adapter)
+    layers = list(inner.layers)
+    returns_tuple = adapter.layer_returns_tuple
+    dropped = []
+    for i, layer in enumerate(layers):
+        if stage.first <= i < stage.last:
+            recv_from = stage.upstream if i == stage.first else None
+            send_to = stage.downstream if i == stage.last - 1 else None
+            if recv_from is not None or send_to is not None:
+                layers[i] = _Boundary(layer, recv_from, send_to)
+        else:
+            dropped.append(layer)
+            layers[i] = _Elsewhere(layer, returns_tuple)
+    inner.layers = layers
+    return dropped
+
+
+class _Follower:
+    """A rank other than 0 runs mlx-vlm's forward for its slice's sake only: the logits it hands the
+    runner are zeros of the head's batch and positions, so the head (and the layers after the slice)
+    never run and their weights are never read."""
+
+    def __init__(self, language_model: Any) -> None:
+        self.__dict__["language_model"] = language_model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["language_model"], name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.__dict__["language_model"](*args, **kwargs)
+        out.logits = mx.zeros((*out.logits.shape[:2], 1), dtype=mx.float32)
+        return out
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """What each rank tells the others at start-up."""
+
+    identity: str  # the model's config, weights index and vlmserve's and MLX's versions, hashed
+    free_bytes: int
+
+
+def model_identity(path: Path, dtype: str) -> str:
+    """A hash of what must agree on every rank: config.json, the weights' files, the serving dtype
+    (``auto`` follows the BLAS), vlmserve's and MLX's versions."""
+    from vlmserve.blas import openblas_preloaded
+
+    digest = hashlib.sha256()
+    digest.update(f"vlmserve {__version__} mlx {version('mlx')} {dtype} {openblas_preloaded()}\n".encode())
+    digest.update((path / "config.json").read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        digest.update(f"{weights.name} {weights.stat().st_size}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+def free_memory() -> int:
+    """What this rank can give weights and KV: Metal's recommended working set, else half the RAM
+    (``VLMSERVE_PIPELINE_MEMORY_GB`` overrides it, to weigh ranks by hand)."""
+    forced = os.environ.get("VLMSERVE_PIPELINE_MEMORY_GB")
+    if forced:
+        return int(float(forced) * 2**30)
+    if mx.metal.is_available():
+        return int(mx.device_info()["max_recommended_working_set_size"])
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+
+
+def exchange(info: RankInfo) -> list[RankInfo]:
+    """Every rank's ``RankInfo``, in rank order (an ``all_gather`` of fixed-size records)."""
+    record = info.identity.encode().ljust(32)[:32] + info.free_bytes.to_bytes(8, "little")
+    gathered = mx.distributed.all_gather(mx.array(list(record), dtype=mx.uint8)[None])
+    rows = [bytes(row) for row in np.array(gathered, dtype=np.uint8)]
+    return [RankInfo(row[:32].decode().strip(), int.from_bytes(row[32:], "little")) for row in rows]
+
+
+def load_stage(path_or_id: str, name: str | None, dtype: str, trust_remote_code: bool = False) -> tuple[LoadedModel, Stage]:
+    """Load this rank's slice of the model (on its worker thread): agree with every rank on the model,
+    split the layers by their free memory, materialize only this rank's weights."""
+    from mlx_vlm.utils import get_model_path, load
+
+    start = time.perf_counter()
+    check_local_path(path_or_id)
+    world = group()
+    rank, size = world.rank(), world.size()
+    try:
+        path = Path(get_model_path(path_or_id))
+        infos = exchange(RankInfo(model_identity(path, dtype), free_memory()))
+    except Exception as exc:  # noqa: BLE001 - one clear line
+        raise ModelLoadError(f"rank {rank}: cannot load model {path_or_id!r}: {exc}") from exc
+    differ = [r for r, info in enumerate(infos) if info.identity != infos[0].identity]
+    if differ:
+        raise ModelLoadError(f"ranks disagree about the model or vlmserve/MLX version: rank(s) {differ} differ from "
+                             f"rank 0 on {path_or_id!r} (same model files and versions on every rank)")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="At least one mel filter")
+            extra: dict[str, Any] = {"trust_remote_code": True} if trust_remote_code else {}
+            model, processor = load(path_or_id, lazy=True, **extra)
+    except Exception as exc:  # noqa: BLE001 - every loader failure becomes one clear error
+        raise load_error(path_or_id, exc) from exc
+    loaded = finish_loading(model, processor, path_or_id, name, dtype, start, materialize=False)
+    adapter = loaded.adapter
+    why = splittable(adapter)
+    if why is not None:
+        raise ModelLoadError(f"model {path_or_id!r} ({loaded.model_type}) cannot be split across ranks: {why}")
+    num_layers = adapter.num_layers
+    shares = [float(info.free_bytes) for info in infos]
+    first, last = split_layers(num_layers, shares, adapter.layer_starts())[rank]
+    stage = Stage(rank, size, first, last, num_layers)
+    install(adapter, stage)
+    if rank > 0:
+        adapter.language_model = _Follower(adapter.language_model)
+    mx.eval(_own_weights(loaded.model, rank))
+    loaded.load_seconds = time.perf_counter() - start
+    log.info("pipeline %s (%s), weights %.1f MiB on this rank, loaded in %.2f s", stage.describe(),
+             loaded.model_type, mx.get_active_memory() / 2**20, loaded.load_seconds)
+    return loaded, stage
+
+
+def _own_weights(model: nn.Module, rank: int) -> list[mx.array]:
+    """The weights this rank reads: its layers' (the dropped ones are gone from the model), and on rank
+    0 everything else too (vision tower, projector, embeddings, head). Another rank's other weights
+    (the embeddings on the rank holding the first layers) load when first used."""
+    owners = [model] if rank == 0 else [m for m in model.language_model.model.layers if not isinstance(m, _Elsewhere)]
+    return [cast(mx.array, pair[1]) for owner in owners for pair in tree_flatten(owner.parameters())]
