@@ -9,8 +9,15 @@ gap at c=1 (its difference is the per-step cost of the hop), and each process's 
 the MLX memory each rank reports after loading its slice). Writes ``DIR/pipeline_bench.json``,
 ``.md`` and ``.png``.
 
-Both ranks share this machine's CPU cores, so the split can only cost here: two ranks on two Macs
-each bring their own GPU and memory.
+The two ranks start the way ``mlx.launch --backend ring -n 2`` starts them (``MLX_RANK`` and a
+ring hostfile of loopback addresses in ``MLX_HOSTFILE``), without the launcher itself: its I/O loop
+polls without sleeping and took a whole core (108-120% CPU, measured) of this 2-core machine.
+
+Each process is pinned to cores of its own (``taskset``; ``--no-pin`` to share): one core stands for
+one machine, so one process on core 0 is one Mac, two ranks on cores 0 and 1 are two. Unpinned, the
+ranks share this machine's two cores and the split only costs: MLX's ring backend spins while it
+waits in ``recv`` (a rank waiting 4 s used 2.8 s of CPU), so each rank's wait takes a core from the
+rank computing (measured: decode steps at c=8 went from 16 ms to 128 ms).
 """
 
 from __future__ import annotations
@@ -44,35 +51,37 @@ def free_port() -> int:
         return port
 
 
-def start(model: str, ranks: int, log: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start(model: str, ranks: int, log: Path, pin: bool) -> tuple[list[subprocess.Popen[bytes]], int]:
+    """The server's processes, rank 0 first, and its port; ``pin``: rank r on core r alone."""
     port = free_port()
-    serve = ["-m", "vlmserve.cli", "--log-level", "info", "serve", "--model", model, "--port", str(port)]
-    if ranks == 1:
-        cmd = [sys.executable, *serve]
-    else:
-        launcher = str(Path(sys.executable).parent / "mlx.launch")
-        cmd = [launcher, "--backend", "ring", "-n", str(ranks), "--python", sys.executable, "--", *serve]
+    serve = [sys.executable, "-m", "vlmserve.cli", "--log-level", "info", "serve", "--model", model, "--port", str(port)]
+    cmd = serve
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    procs = []
+    if ranks == 1:
+        cmd = ["taskset", "-c", "0", *serve] if pin else serve
+        procs.append(subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+    else:  # as mlx.launch --backend ring -n N does, less its spinning I/O loop
+        hostfile = log.with_suffix(".hosts.json")
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(ranks)]))
+        for rank in range(ranks):
+            own = {**env, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+            cmd = ["taskset", "-c", str(rank), *serve] if pin else serve
+            out = open(log if rank == 0 else log.with_suffix(f".rank{rank}.log"), "w")
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=own, cwd=ROOT))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                return proc, port
+                return procs, port
         except httpx.HTTPError:
             pass
-        if proc.poll() is not None:
+        if any(p.poll() is not None for p in procs):
             break
         time.sleep(0.2)
-    proc.kill()
+    for p in procs:
+        p.kill()
     raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
-
-
-def pids(proc: subprocess.Popen[bytes], log: Path, ranks: int) -> dict[str, int]:
-    if ranks == 1:
-        return {"rank 0": proc.pid}
-    found = re.findall(r"pipeline rank (\d+) of \d+ \(pid (\d+)\)", log.read_text())
-    return {f"rank {r}": int(p) for r, p in found}
 
 
 def rss_mib(pid: int) -> float | None:
@@ -87,22 +96,19 @@ def rss_mib(pid: int) -> float | None:
 
 def mlx_mib(log: Path) -> dict[str, float]:
     """What each rank reported after materializing its slice (``mx.get_active_memory``)."""
-    found = re.findall(r"pipeline rank (\d+)/\d+: layers .*?weights ([\d.]+) MiB", log.read_text())
-    return {f"rank {r}": float(m) for r, m in found}
+    text = "".join(p.read_text() for p in sorted(log.parent.glob(log.stem + "*.log")))
+    found = re.findall(r"pipeline rank (\d+)/\d+: layers .*?weights ([\d.]+) MiB", text)
+    return {f"rank {r}": float(m) for r, m in sorted(found)}
 
 
-def stop(proc: subprocess.Popen[bytes], log: Path, ranks: int) -> None:
-    first = pids(proc, log, ranks).get("rank 0", proc.pid)
-    try:
-        os.kill(first, signal.SIGTERM)
-        proc.wait(60)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        for pid in pids(proc, log, ranks).values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.kill()
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to rank 0: it drains, then stops every rank."""
+    procs[0].send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 async def scenario(target: Target, concurrency: int, requests: int, max_tokens: int, image: bool) -> dict[str, Any]:
@@ -114,13 +120,13 @@ async def scenario(target: Target, concurrency: int, requests: int, max_tokens: 
     return summarize(results, wall)
 
 
-def measure(arch: str, size: str, ranks: int, out: Path, quick: bool) -> dict[str, Any]:
+def measure(arch: str, size: str, ranks: int, out: Path, quick: bool, pin: bool) -> dict[str, Any]:
     model = str(build_model(arch, size, ignore_eos=True))
     log = out / f"{arch}-{ranks}rank.log"
-    proc, port = start(model, ranks, log)
+    procs, port = start(model, ranks, log, pin)
     target = Target(f"http://127.0.0.1:{port}", model, {"ignore_eos": True})
     max_tokens = 32 if quick else 64
-    result: dict[str, Any] = {"arch": arch, "size": size, "ranks": ranks, "scenarios": {}}
+    result: dict[str, Any] = {"arch": arch, "size": size, "ranks": ranks, "pinned": pin, "scenarios": {}}
     try:
         runs = [(c, image) for image in (False, True) for c in (1, 8)]
         with progress(runs, desc=f"{arch}: {ranks} rank(s)", file=sys.stderr) as bar:
@@ -128,10 +134,10 @@ def measure(arch: str, size: str, ranks: int, out: Path, quick: bool) -> dict[st
                 requests = (2 if quick else 4) * concurrency if concurrency > 1 else (3 if quick else 6)
                 name = f"{'image' if image else 'text'} c={concurrency}"
                 result["scenarios"][name] = asyncio.run(scenario(target, concurrency, requests, max_tokens, image))
-        result["rss_mib"] = {rank: rss_mib(pid) for rank, pid in pids(proc, log, ranks).items()}
+        result["rss_mib"] = {f"rank {r}": rss_mib(p.pid) for r, p in enumerate(procs)}
         result["mlx_mib"] = mlx_mib(log)
     finally:
-        stop(proc, log, ranks)
+        stop(procs)
     return result
 
 
@@ -172,7 +178,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
         ax.set_title(title)
     axes[0].legend(fontsize=8)
-    fig.suptitle("one process against two ranks on loopback (both on the same 2 CPU cores)")
+    pinned = "each process on a core of its own" if results[0]["pinned"] else "every process on both cores"
+    fig.suptitle(f"one process against two ranks on loopback ({pinned})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -183,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="small")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "pipeline")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-pin", dest="pin", action="store_false", help="let every process use every core")
     args = parser.parse_args(argv)
+    if args.pin and (os.cpu_count() or 1) < 2:
+        parser.error("pinning two ranks to cores of their own takes 2 cores: pass --no-pin")
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [measure(arch, args.size, ranks, args.out, args.quick)
+    results = [measure(arch, args.size, ranks, args.out, args.quick, args.pin)
                for arch in args.arch.split(",") for ranks in (1, 2)]
     (args.out / "pipeline_bench.json").write_text(json.dumps(results, indent=2) + "\n")
     table = markdown(results)

@@ -101,8 +101,17 @@ def finish_loading(model: nn.Module, processor: Any, path_or_id: str, name: str 
         max_context=_max_context(config),
         load_seconds=time.perf_counter() - start,
     )
-    log.info("loaded %s (%s) in %.2f s", loaded.name, loaded.model_type, loaded.load_seconds)
+    if materialize:
+        log.info("loaded %s (%s) in %.2f s, weights %.1f MiB", loaded.name, loaded.model_type, loaded.load_seconds,
+                 weight_bytes(model.parameters()) / 2**20)
     return loaded
+
+
+def weight_bytes(parameters: Any) -> int:
+    """The bytes of a module's ``parameters()`` tree (or a list of arrays)."""
+    from mlx.utils import tree_flatten
+
+    return sum(int(pair[1].nbytes) for pair in tree_flatten(parameters))
 
 
 def serving_dtype(requested: str, model: nn.Module) -> mx.Dtype | None:

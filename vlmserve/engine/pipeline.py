@@ -38,19 +38,21 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from vlmserve import __version__
-from vlmserve.engine.loader import LoadedModel, ModelLoadError, check_local_path, finish_loading, load_error
+from vlmserve.engine.loader import (
+    LoadedModel,
+    ModelLoadError,
+    check_local_path,
+    finish_loading,
+    load_error,
+    weight_bytes,
+)
 from vlmserve.engine.models import ModelAdapter
 
 log = logging.getLogger(__name__)
 
 
 class PipelineError(RuntimeError):
-    """The process group cannot serve: a rank died, hung, or disagrees with rank 0."""
-
-
-def launched() -> bool:
-    """Whether this process is one rank of an ``mlx.launch`` group (it sets ``MLX_RANK``)."""
-    return "MLX_RANK" in os.environ
+    """The model cannot be split across the ranks as asked."""
 
 
 def group() -> mx.distributed.Group:
@@ -312,6 +314,7 @@ def load_stage(path_or_id: str, name: str | None, dtype: str, trust_remote_code:
     why = splittable(adapter)
     if why is not None:
         raise ModelLoadError(f"model {path_or_id!r} ({loaded.model_type}) cannot be split across ranks: {why}")
+    whole = weight_bytes(loaded.model.parameters())  # lazily: shapes only, nothing read
     num_layers = adapter.num_layers
     shares = [float(info.free_bytes) for info in infos]
     first, last = split_layers(num_layers, shares, adapter.layer_starts())[rank]
@@ -319,10 +322,11 @@ def load_stage(path_or_id: str, name: str | None, dtype: str, trust_remote_code:
     install(adapter, stage)
     if rank > 0:
         adapter.language_model = _Follower(adapter.language_model)
-    mx.eval(_own_weights(loaded.model, rank))
+    own = _own_weights(loaded.model, rank)
+    mx.eval(own)
     loaded.load_seconds = time.perf_counter() - start
-    log.info("pipeline %s (%s), weights %.1f MiB on this rank, loaded in %.2f s", stage.describe(),
-             loaded.model_type, mx.get_active_memory() / 2**20, loaded.load_seconds)
+    log.info("pipeline %s (%s), weights %.1f MiB on this rank (the whole model: %.1f MiB), loaded in %.2f s",
+             stage.describe(), loaded.model_type, weight_bytes(own) / 2**20, whole / 2**20, loaded.load_seconds)
     return loaded, stage
 
 
