@@ -166,6 +166,34 @@ def test_a_rank_stopped_while_idle_makes_rank_0_unready(endless, tmp_path):
         split.kill_ranks()
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_an_idle_rank_sleeps_instead_of_polling(endless, tmp_path):
+    """MLX's ring recv polls (a core per waiting rank); rank 1 waits for each step on the doorbell."""
+    split = start_pipeline(["--model", endless], tmp_path / "split.log")
+    try:
+        follower = split.rank_pid(1)
+        before = _cpu_seconds(follower)
+        time.sleep(4)  # idle, but for the heartbeats
+        assert _cpu_seconds(follower) - before < 1.0  # polling took 2.8 s of CPU in 4 s (measured)
+        assert "no doorbell" not in split.log, split.log
+    finally:
+        split.stop()
+
+
+def test_rank_0_killed_stops_the_other_ranks(endless, tmp_path):
+    split = start_pipeline(["--model", endless], tmp_path / "split.log")
+    try:
+        os.kill(split.rank_pid(0), signal.SIGKILL)
+        split.proc.wait(30)
+        assert "lost rank 0 or a neighbour" in split.log or "Node with rank 0 exited" in split.log, split.log
+    finally:
+        split.kill_ranks()
+
+
 def test_sigterm_on_rank_0_drains_then_stops_every_rank(endless, tmp_path):
     split = start_pipeline(["--model", endless, "--shutdown-timeout", "30"], tmp_path / "split.log")
     body = {"model": endless, "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 120,

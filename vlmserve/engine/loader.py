@@ -10,7 +10,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -111,7 +111,7 @@ def weight_bytes(parameters: Any) -> int:
     """The bytes of a module's ``parameters()`` tree (or a list of arrays)."""
     from mlx.utils import tree_flatten
 
-    return sum(int(pair[1].nbytes) for pair in tree_flatten(parameters))
+    return sum(int(cast(mx.array, pair[1]).nbytes) for pair in tree_flatten(parameters))
 
 
 def serving_dtype(requested: str, model: nn.Module) -> mx.Dtype | None:

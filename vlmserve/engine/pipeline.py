@@ -27,7 +27,7 @@ import os
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, cast
@@ -38,6 +38,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from vlmserve import __version__
+from vlmserve.engine import doorbell
+from vlmserve.engine.doorbell import Doorbell
 from vlmserve.engine.loader import (
     LoadedModel,
     ModelLoadError,
@@ -62,13 +64,14 @@ def group() -> mx.distributed.Group:
 
 @dataclass(frozen=True, slots=True)
 class Stage:
-    """This rank's slice of the decoder layers, ``[first, last)`` of ``num_layers``."""
+    """This rank's slice of the decoder layers, ``[first, last)`` of ``num_layers``, and its doorbell."""
 
     rank: int
     size: int
     first: int
     last: int
     num_layers: int
+    doorbell: Doorbell = field(default_factory=lambda: Doorbell({}), compare=False, repr=False)
 
     @property
     def upstream(self) -> int | None:
@@ -302,6 +305,7 @@ def load_stage(path_or_id: str, name: str | None, dtype: str, trust_remote_code:
     if differ:
         raise ModelLoadError(f"ranks disagree about the model or vlmserve/MLX version: rank(s) {differ} differ from "
                              f"rank 0 on {path_or_id!r} (same model files and versions on every rank)")
+    bell = doorbell.connect(rank, size)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="At least one mel filter")
@@ -318,7 +322,7 @@ def load_stage(path_or_id: str, name: str | None, dtype: str, trust_remote_code:
     num_layers = adapter.num_layers
     shares = [float(info.free_bytes) for info in infos]
     first, last = split_layers(num_layers, shares, adapter.layer_starts())[rank]
-    stage = Stage(rank, size, first, last, num_layers)
+    stage = Stage(rank, size, first, last, num_layers, bell)
     install(adapter, stage)
     if rank > 0:
         adapter.language_model = _Follower(adapter.language_model)
