@@ -222,19 +222,25 @@ def test_ranks_that_disagree_about_the_model_refuse_to_start(tmp_path):
 
 
 def test_layers_split_by_each_ranks_memory_the_last_rank_first():
-    assert split_layers(8, [1, 1]) == [(4, 8), (0, 4)]
-    assert split_layers(8, [3, 1]) == [(2, 8), (0, 2)]  # rank 0 has three times the memory
-    assert split_layers(6, [1, 1, 1]) == [(4, 6), (2, 4), (0, 2)]
-    assert split_layers(3, [100, 1]) == [(1, 3), (0, 1)]  # every rank keeps a layer
+    assert split_layers([1] * 8, [1, 1]) == [(4, 8), (0, 4)]
+    assert split_layers([1] * 8, [3, 1]) == [(2, 8), (0, 2)]  # rank 0 has three times the memory
+    assert split_layers([1] * 6, [1, 1, 1]) == [(4, 6), (2, 4), (0, 2)]
+    assert split_layers([1] * 3, [100, 1]) == [(1, 3), (0, 1)]  # every rank keeps a layer
+    assert split_layers([1] * 8, [-5, 1]) == [(7, 8), (0, 7)]  # no memory left for layers: still one
+
+
+def test_layers_split_by_their_bytes():
+    # the last layer weighs five: half the bytes is the first five layers
+    assert split_layers([1, 1, 1, 1, 1, 5], [1, 1]) == [(5, 6), (0, 5)]
 
 
 def test_a_slice_starts_only_where_shared_kv_allows():
     # Gemma 4 with shared KV: the readers' first source is layer 2, so a slice starts at 1 or 2
-    assert split_layers(6, [1, 1], starts=(0, 1, 2)) == [(2, 6), (0, 2)]
+    assert split_layers([1] * 6, [1, 1], starts=(0, 1, 2)) == [(2, 6), (0, 2)]
     with pytest.raises(PipelineError, match="cannot be split 2 ways"):
-        split_layers(6, [1, 1], starts=(0,))
+        split_layers([1] * 6, [1, 1], starts=(0,))
     with pytest.raises(PipelineError, match="at most one rank per layer"):
-        split_layers(2, [1, 1, 1])
+        split_layers([1, 1], [1, 1, 1])
 
 
 def test_a_step_message_carries_embeddings_and_plan_unchanged():

@@ -171,6 +171,8 @@ def _follow(config: ServeConfig, rank: int) -> int:
         return 1
     try:
         worker.call(runner.follow)
+    except KeyboardInterrupt:
+        return 130
     except Exception as exc:  # noqa: BLE001 - one line: which rank, and why
         log.debug("pipeline rank %d stopped", rank, exc_info=True)
         print(f"vlmserve: error: pipeline {runner.stage.describe()}: lost rank 0 or a neighbour ({exc}); stopping",

@@ -92,28 +92,30 @@ class Stage:
         return f"rank {self.rank}/{self.size}: layers {self.first}-{self.last - 1} of {self.num_layers}"
 
 
-def split_layers(num_layers: int, shares: Sequence[float], starts: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
-    """Each rank's contiguous slice ``(first, last)``, sized by its share (its free memory): the last
-    rank takes the first layers, rank 0 the last ones. A slice may start only at ``starts`` (None:
-    anywhere), where a layer that reads another's KV within the forward (Gemma 4's shared KV) stays
-    with what it reads."""
-    size = len(shares)
+def split_layers(layer_bytes: Sequence[int], budgets: Sequence[float],
+                 starts: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+    """Each rank's contiguous slice ``(first, last)`` of the layers (``layer_bytes``: each one's
+    weights), its share of their bytes following its ``budgets`` (the memory it has for layers): the
+    last rank takes the first layers, rank 0 the last ones. A slice may start only at ``starts``
+    (None: anywhere), so that a layer that reads another's KV within the forward (Gemma 4's shared
+    KV) stays with what it reads."""
+    size, num_layers = len(budgets), len(layer_bytes)
     if size > num_layers:
         raise PipelineError(f"{size} ranks for {num_layers} decoder layers: at most one rank per layer")
-    total = float(sum(shares))
+    floor = max(max(budgets), 1) * 1e-6  # a rank with no memory left for layers still takes one
+    weights = [max(float(b), floor) for b in budgets]
+    total, layers_total = sum(weights), float(sum(layer_bytes)) or 1.0
+    ends = [sum(layer_bytes[: i + 1]) / layers_total for i in range(num_layers)]  # share held through layer i
     order = list(reversed(range(size)))  # ranks in layer order
     bounds, acc = [0], 0.0
     for rank in order[:-1]:
-        acc += shares[rank] / total
-        bound = round(acc * num_layers)
-        if starts is not None:
-            allowed = [s for s in starts if bounds[-1] < s < num_layers]
-            if not allowed:
-                raise PipelineError(f"the model cannot be split {size} ways: a slice may start only at layers "
-                                    f"{list(starts)} (shared KV)")
-            bound = min(allowed, key=lambda s: (abs(s - bound), s))
-        bound = min(max(bound, bounds[-1] + 1), num_layers - (size - len(bounds)))
-        bounds.append(bound)
+        acc += weights[rank] / total
+        allowed = [s for s in (starts if starts is not None else range(num_layers)) if bounds[-1] < s < num_layers]
+        allowed = [s for s in allowed if s <= num_layers - (size - len(bounds))]  # a layer for every rank after
+        if not allowed:
+            raise PipelineError(f"the model cannot be split {size} ways: a slice may start only at layers "
+                                f"{list(starts or ())} (shared KV)")
+        bounds.append(min(allowed, key=lambda s: (abs(ends[s - 1] - acc), s)))
     bounds.append(num_layers)
     slices = [(0, 0)] * size
     for i, rank in enumerate(order):
@@ -318,10 +320,18 @@ def load_stage(path_or_id: str, name: str | None, dtype: str, trust_remote_code:
     why = splittable(adapter)
     if why is not None:
         raise ModelLoadError(f"model {path_or_id!r} ({loaded.model_type}) cannot be split across ranks: {why}")
-    whole = weight_bytes(loaded.model.parameters())  # lazily: shapes only, nothing read
-    num_layers = adapter.num_layers
-    shares = [float(info.free_bytes) for info in infos]
-    first, last = split_layers(num_layers, shares, adapter.layer_starts())[rank]
+    inner = text_model(adapter)
+    layer_bytes = [weight_bytes(layer.parameters()) for layer in inner.layers]  # shapes only: nothing is read
+    whole = weight_bytes(loaded.model.parameters())
+    # What each rank holds besides its layers: rank 0 the vision tower, embeddings and head; the rank
+    # with the first layers the token embeddings it embeds each step's tokens with
+    held = [0] * size
+    held[0] = whole - sum(layer_bytes)
+    held[-1] += sum(weight_bytes(getattr(inner, name).parameters()) for name in ("embed_tokens", "embed_tokens_per_layer")
+                    if getattr(inner, name, None) is not None) if size > 1 else 0
+    budgets = [info.free_bytes - held[r] for r, info in enumerate(infos)]
+    num_layers = len(layer_bytes)
+    first, last = split_layers(layer_bytes, budgets, adapter.layer_starts())[rank]
     stage = Stage(rank, size, first, last, num_layers, bell)
     install(adapter, stage)
     if rank > 0:

@@ -311,7 +311,10 @@ class AsyncEngine:
     def _on_worker_exit(self, error: BaseException | None) -> None:
         reason = f"MLX worker died: {error!r}" if error else "MLX worker stopped"
         if error is not None and self.stage is not None:
-            reason = f"pipeline: lost {self.stage.peers} ({error}); ending every request and stopping"
+            # MLX's backends say "[ring] connection to a peer was lost" and the like
+            lost = str(error).startswith("[") or isinstance(error, ConnectionError)
+            what = f"lost {self.stage.peers}" if lost else "a step failed after it went to every rank"
+            reason = f"pipeline: {what} ({error}); ending every request and stopping"
         self._die(reason, fault=error is not None)
 
     def _fail_streams(self, message: str) -> None:
