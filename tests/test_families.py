@@ -138,6 +138,8 @@ def test_prompts_that_start_together_prefill_together_as_alone(family: Family) -
     """Whole prompts admitted in one step share one left-padded forward where the family allows it."""
     red, blue, green = _images()
     cases = [("hi", []), ("describe it", [red]), (LONG, []), ("what shape?", [green]), ("x", [blue])]
+    if family.max_images > 1:  # prompts with different image counts in one forward (SmolVLM's mask failed it)
+        cases.append(("compare the two", [red, blue]))
     together = _start(family.engine.model_spec, prefill_chunk=512)  # every prompt goes whole
     try:
         prompts = [together.prompt(text, images) for text, images in cases]

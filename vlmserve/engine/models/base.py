@@ -29,6 +29,9 @@ from mlx_vlm.models.cache import make_prompt_cache
 from vlmserve.engine.params import ImageItem, PromptInputs
 
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")  # what the vision tower reads; never language-model keywords
+# What only the vision tower reads besides: never a language-model keyword either. SmolVLM's mask is
+# [1, images, H, W]: kept, it failed the left-padded batch of prompts with different image counts.
+VISION_ONLY_KEYS = (*PIXEL_KEYS, "pixel_attention_mask")
 
 
 @dataclass(slots=True)
@@ -129,7 +132,8 @@ class ModelAdapter:
         features = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **arrays, **videos,
                                                    **(cached or {}))
         extra = {k: v for k, v in features.to_dict().items() if k != "inputs_embeds" and v is not None}
-        return Embedded(features.inputs_embeds, {**arrays, **extra}, self.row_state(extra))
+        text = {k: v for k, v in arrays.items() if k not in VISION_ONLY_KEYS}
+        return Embedded(features.inputs_embeds, {**text, **extra}, self.row_state(extra))
 
     def embed_rows(self, input_ids: list[mx.array], arrays: list[dict[str, mx.array]]) -> list[Embedded]:
         """Several image prompts through one ``get_input_embeddings`` call (one vision forward for all
@@ -146,7 +150,7 @@ class ModelAdapter:
         out = []
         for row, own in zip(rows, arrays):
             extra = {k: v for k, v in row.items() if k != "inputs_embeds"}
-            own = {k: v for k, v in own.items() if k not in PIXEL_KEYS}
+            own = {k: v for k, v in own.items() if k not in VISION_ONLY_KEYS}
             out.append(Embedded(row["inputs_embeds"], {**own, **extra}, self.row_state(extra)))
         return out
 
