@@ -12,7 +12,8 @@ positions, per-layer inputs and shared KV are what a single process computes. A 
 is a stand-in (``_Elsewhere``) that passes the hidden state through and moves its cache on by the
 positions it would have written without storing any (zero-width keys and values), so offsets, left
 padding and masks stay exact. The slice's first layer takes its input from the rank before it
-(``recv``), its last sends its output to the next (``send``); both are evaluated as the forward is
+(``recv``); the first layer after the slice sends the state the model's loop hands it to the next
+(``send``), so what the loop adds between layers travels too. Both are evaluated as the forward is
 built, so every rank's hops happen in one order whatever MLX's graph order.
 
 The weights load lazily (``mlx_vlm.load(lazy=True)``) and only the slice's (and on rank 0 the
@@ -135,14 +136,18 @@ def _advance(cache: Any, h: mx.array) -> None:
 
 
 class _Elsewhere(nn.Module):  # type: ignore[misc]  # mlx.nn has no type information
-    """A decoder layer another rank holds: the hidden state passes through, its cache moves on.
-    Attributes the forward reads of a layer (Qwen's rotary embedding on layer 0, Gemma's
-    ``layer_type``) come from the real one, kept outside the module tree: its weights are never read."""
+    """A decoder layer another rank holds: the hidden state passes through, its cache moves on. The
+    first one after this rank's slice sends the state it gets on to ``send_to`` first: the state as
+    the model's loop hands it to that layer, after whatever the loop adds between layers (Qwen3-VL's
+    DeepStack features, Gemma 4's cut to the last positions). Attributes the forward reads of a layer
+    (Qwen's rotary embedding on layer 0, Gemma's ``layer_type``) come from the real one, kept outside
+    the module tree: its weights are never read."""
 
-    def __init__(self, layer: nn.Module, returns_tuple: bool) -> None:
+    def __init__(self, layer: nn.Module, returns_tuple: bool, send_to: int | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "_held_elsewhere", layer)  # not a child: parameters() never walks it
         self._returns_tuple = returns_tuple
+        self._send_to = send_to
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -153,6 +158,8 @@ class _Elsewhere(nn.Module):  # type: ignore[misc]  # mlx.nn has no type informa
             return getattr(self.__dict__["_held_elsewhere"], name)
 
     def __call__(self, h: mx.array, mask: Any = None, cache: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if self._send_to is not None:
+            mx.eval(mx.distributed.send(h, self._send_to))
         offset = kwargs.get("offset")  # Gemma 4: the position the layer's keys start at, as its attention returns it
         if cache is not None:
             offset = getattr(cache, "offset", offset)
@@ -160,14 +167,14 @@ class _Elsewhere(nn.Module):  # type: ignore[misc]  # mlx.nn has no type informa
         return (h, None, offset) if self._returns_tuple else h
 
 
-class _Boundary(nn.Module):  # type: ignore[misc]  # mlx.nn has no type information
-    """One of this rank's layers at its slice's edge: takes its input from ``recv_from`` and/or
-    sends its output to ``send_to``, each evaluated at once (see the module's docstring)."""
+class _Receives(nn.Module):  # type: ignore[misc]  # mlx.nn has no type information
+    """This rank's first layer, where the slice does not start at layer 0: its input is the state the
+    rank before sent (see ``_Elsewhere``), received as the forward is built."""
 
-    def __init__(self, layer: nn.Module, recv_from: int | None, send_to: int | None) -> None:
+    def __init__(self, layer: nn.Module, recv_from: int) -> None:
         super().__init__()
         self.layer = layer
-        self._recv_from, self._send_to = recv_from, send_to
+        self._recv_from = recv_from
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -178,22 +185,18 @@ class _Boundary(nn.Module):  # type: ignore[misc]  # mlx.nn has no type informat
             return getattr(self["layer"], name)
 
     def __call__(self, h: mx.array, *args: Any, **kwargs: Any) -> Any:
-        if self._recv_from is not None:
-            h = mx.distributed.recv_like(h, self._recv_from)
-            mx.eval(h)
-        out = self.layer(h, *args, **kwargs)
-        if self._send_to is not None:
-            hidden = out[0] if isinstance(out, tuple) else out
-            mx.eval(mx.distributed.send(hidden, self._send_to))
-        return out
+        h = mx.distributed.recv_like(h, self._recv_from)
+        mx.eval(h)
+        return self.layer(h, *args, **kwargs)
 
 
 def text_model(adapter: ModelAdapter) -> Any:
-    """The language model's decoder (``language_model.model``), whose ``layers`` a stage splits."""
-    inner = getattr(adapter.language_model, "model", None)
-    if not isinstance(getattr(inner, "layers", None), list):
-        raise PipelineError(f"{type(adapter.model).__name__}: no decoder layer list to split")
-    return inner
+    """The language model's decoder, whose ``layers`` a stage splits: ``language_model.model``, or
+    the language model itself where it holds them (SmolVLM's)."""
+    for inner in (getattr(adapter.language_model, "model", None), adapter.language_model):
+        if isinstance(getattr(inner, "layers", None), list):
+            return inner
+    raise PipelineError(f"{type(adapter.model).__name__}: no decoder layer list to split")
 
 
 def splittable(adapter: ModelAdapter) -> str | None:
@@ -218,13 +221,12 @@ def install(adapter: ModelAdapter, stage: Stage) -> list[nn.Module]:
     dropped = []
     for i, layer in enumerate(layers):
         if stage.first <= i < stage.last:
-            recv_from = stage.upstream if i == stage.first else None
-            send_to = stage.downstream if i == stage.last - 1 else None
-            if recv_from is not None or send_to is not None:
-                layers[i] = _Boundary(layer, recv_from, send_to)
+            if i == stage.first and stage.upstream is not None:
+                layers[i] = _Receives(layer, stage.upstream)
         else:
             dropped.append(layer)
-            layers[i] = _Elsewhere(layer, returns_tuple)
+            send_to = stage.downstream if i == stage.last else None
+            layers[i] = _Elsewhere(layer, returns_tuple, send_to)
     inner.layers = layers
     return dropped
 
@@ -336,7 +338,7 @@ def load_stage(path_or_id: str, name: str | None, dtype: str, trust_remote_code:
     install(adapter, stage)
     if rank > 0:
         adapter.language_model = _Follower(adapter.language_model)
-    own = _own_weights(loaded.model, rank)
+    own = _own_weights(loaded.model, adapter, rank)
     mx.eval(own)
     loaded.load_seconds = time.perf_counter() - start
     log.info("pipeline %s (%s), weights %.1f MiB on this rank (the whole model: %.1f MiB), loaded in %.2f s",
@@ -344,9 +346,10 @@ def load_stage(path_or_id: str, name: str | None, dtype: str, trust_remote_code:
     return loaded, stage
 
 
-def _own_weights(model: nn.Module, rank: int) -> list[mx.array]:
+def _own_weights(model: nn.Module, adapter: ModelAdapter, rank: int) -> list[mx.array]:
     """The weights this rank reads: its layers' (the dropped ones are gone from the model), and on rank
     0 everything else too (vision tower, projector, embeddings, head). Another rank's other weights
     (the embeddings on the rank holding the first layers) load when first used."""
-    owners = [model] if rank == 0 else [m for m in model.language_model.model.layers if not isinstance(m, _Elsewhere)]
+    layers = text_model(adapter).layers
+    owners = [model] if rank == 0 else [m for m in layers if not isinstance(m, _Elsewhere)]
     return [cast(mx.array, pair[1]) for owner in owners for pair in tree_flatten(owner.parameters())]

@@ -68,8 +68,7 @@ class _Slot:
     index: int
 
 
-def _dtype_name(dtype: mx.Dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
+_DTYPES = {str(v): v for v in vars(mx).values() if isinstance(v, mx.Dtype)}  # "mlx.core.bool" -> mx.bool_
 
 
 class Link:
@@ -124,7 +123,7 @@ class Link:
 
         embedded = {rid: (slot(e.inputs_embeds), slot(e.lm_kwargs), slot(e.row_state))
                     for rid, e in message.embedded.items()}
-        header = (replace(message, embedded={}), embedded, [(a.shape, _dtype_name(a.dtype)) for a in arrays])
+        header = (replace(message, embedded={}), embedded, [(a.shape, str(a.dtype)) for a in arrays])
         return pickle.dumps(header), arrays
 
     @staticmethod
@@ -161,7 +160,7 @@ class Link:
         shapes = pickle.loads(blob)[2]
         arrays = []
         for shape, dtype in shapes:
-            kind = getattr(mx, dtype)
+            kind = _DTYPES[dtype]
             array = mx.distributed.recv(shape, kind, src) if int(np.prod(shape)) else mx.zeros(shape, kind)
             mx.eval(array)
             arrays.append(array)

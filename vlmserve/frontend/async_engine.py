@@ -312,7 +312,7 @@ class AsyncEngine:
         reason = f"MLX worker died: {error!r}" if error else "MLX worker stopped"
         if error is not None and self.stage is not None:
             # MLX's backends say "[ring] connection to a peer was lost" and the like
-            lost = str(error).startswith("[") or isinstance(error, ConnectionError)
+            lost = isinstance(error, ConnectionError) or any(w in str(error) for w in ("peer", "connection", "socket"))
             what = f"lost {self.stage.peers}" if lost else "a step failed after it went to every rank"
             reason = f"pipeline: {what} ({error}); ending every request and stopping"
         self._die(reason, fault=error is not None)
