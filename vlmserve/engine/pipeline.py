@@ -135,13 +135,29 @@ def _advance(cache: Any, h: mx.array) -> None:
         cache.update_and_fetch(empty, empty)
 
 
-class _Elsewhere(nn.Module):  # type: ignore[misc]  # mlx.nn has no type information
+class _ReadsThrough(nn.Module):  # type: ignore[misc]  # mlx.nn has no type information
+    """Stands in for a decoder layer: what the model's loop reads of a layer and the stand-in lacks
+    (``layer_type``, Qwen's rotary embedding on layer 0) comes from the real one, ``_real()``."""
+
+    def _real(self) -> Any:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            real = None if name.startswith("__") or name == "layer" else self._real()
+            if real is None:
+                raise
+            return getattr(real, name)
+
+
+class _Elsewhere(_ReadsThrough):
     """A decoder layer another rank holds: the hidden state passes through, its cache moves on. The
     first one after this rank's slice sends the state it gets on to ``send_to`` first: the state as
     the model's loop hands it to that layer, after whatever the loop adds between layers (Qwen3-VL's
-    DeepStack features, Gemma 4's cut to the last positions). Attributes the forward reads of a layer
-    (Qwen's rotary embedding on layer 0, Gemma's ``layer_type``) come from the real one, kept outside
-    the module tree: its weights are never read."""
+    DeepStack features, Gemma 4's cut to the last positions). The real layer is kept outside the module
+    tree: its weights are never read."""
 
     def __init__(self, layer: nn.Module, returns_tuple: bool, send_to: int | None = None) -> None:
         super().__init__()
@@ -149,13 +165,8 @@ class _Elsewhere(nn.Module):  # type: ignore[misc]  # mlx.nn has no type informa
         self._returns_tuple = returns_tuple
         self._send_to = send_to
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name.startswith("__") or "_held_elsewhere" not in self.__dict__:
-                raise
-            return getattr(self.__dict__["_held_elsewhere"], name)
+    def _real(self) -> Any:
+        return self.__dict__.get("_held_elsewhere")
 
     def __call__(self, h: mx.array, mask: Any = None, cache: Any = None, *args: Any, **kwargs: Any) -> Any:
         if self._send_to is not None:
@@ -167,7 +178,7 @@ class _Elsewhere(nn.Module):  # type: ignore[misc]  # mlx.nn has no type informa
         return (h, None, offset) if self._returns_tuple else h
 
 
-class _Receives(nn.Module):  # type: ignore[misc]  # mlx.nn has no type information
+class _Receives(_ReadsThrough):
     """This rank's first layer, where the slice does not start at layer 0: its input is the state the
     rank before sent (see ``_Elsewhere``), received as the forward is built."""
 
@@ -176,13 +187,8 @@ class _Receives(nn.Module):  # type: ignore[misc]  # mlx.nn has no type informat
         self.layer = layer
         self._recv_from = recv_from
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "layer" or "layer" not in self:
-                raise
-            return getattr(self["layer"], name)
+    def _real(self) -> Any:
+        return self["layer"] if "layer" in self else None
 
     def __call__(self, h: mx.array, *args: Any, **kwargs: Any) -> Any:
         h = mx.distributed.recv_like(h, self._recv_from)
