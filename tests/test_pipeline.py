@@ -99,6 +99,22 @@ def test_each_rank_holds_its_slice(pair):
     assert any("rank 1/2: layers 0-" in line for line in lines) and any("rank 0/2: layers " in line for line in lines)
 
 
+def test_three_ranks_relay_the_step_and_the_hidden_state(tmp_path):
+    """Rank 0 sends each step to rank 1, which passes it on to rank 2; the hidden state comes back
+    2 -> 1 -> 0. Greedy tokens as one process's."""
+    model = str(build_model("qwen2_5_vl", "small"))
+    single = start_server(["--model", model, "--no-prefix-cache"], tmp_path / "single.log")
+    split = start_pipeline(["--model", model], tmp_path / "split.log", ranks=3)
+    try:
+        assert "rank 1/3: layers 2-3 of 6" in split.log, split.log
+        for images in (0, 1):
+            alone, across = _chat(single, model, "Tell me more.", images), _chat(split, model, "Tell me more.", images)
+            assert _same(across, alone), (across, alone)
+    finally:
+        single.stop()
+        assert split.stop() == 0, split.log
+
+
 # -- faults --------------------------------------------------------------------------------
 
 
