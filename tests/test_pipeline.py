@@ -92,6 +92,31 @@ def test_eight_mixed_requests_batched_across_ranks_match_each_alone(pair):
     assert [_same(a, b) for a, b in zip(together, alone)] == [True] * 8
 
 
+def test_prompt_logprobs_forks_and_grammars_match_across_ranks(pair):
+    """The prompt's own logprobs (scored on rank 0, prefilled on every rank), n > 1 (rows forked from
+    one prefill on every rank, seeded sampling on rank 0) and a JSON schema (rank 0's grammar)."""
+    model, single, split, _ = pair
+
+    def post(server: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = httpx.post(server.url + path, json={"model": model, **body}, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    echo = {"prompt": "The quick brown fox jumps", "echo": True, "logprobs": 2, "max_tokens": 1, "temperature": 0}
+    scored = [post(s, "/v1/completions", echo)["choices"][0]["logprobs"] for s in (single, split)]
+    assert scored[0]["tokens"] == scored[1]["tokens"]
+    assert np.allclose([x or 0 for x in scored[0]["token_logprobs"]], [x or 0 for x in scored[1]["token_logprobs"]],
+                       atol=1e-4)
+    forks = {"messages": [{"role": "user", "content": "Hi"}], "n": 3, "max_tokens": 8, "temperature": 0.9, "seed": 7}
+    texts = [[c["message"]["content"] for c in post(s, "/v1/chat/completions", forks)["choices"]] for s in (single, split)]
+    assert texts[0] == texts[1] and len(texts[1]) == 3
+    schema = {"type": "object", "properties": {"k": {"type": "string", "enum": ["a", "b"]}}, "required": ["k"]}
+    shaped = {"messages": [{"role": "user", "content": "Describe"}], "max_tokens": 30, "temperature": 0,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    answers = [post(s, "/v1/chat/completions", shaped)["choices"][0]["message"]["content"] for s in (single, split)]
+    assert answers[0] == answers[1] and json.loads(answers[1])["k"] in ("a", "b")
+
+
 def test_each_rank_holds_its_slice(pair):
     _, _, split, _ = pair
     lines = [line for line in split.log.splitlines() if "pipeline rank " in line and "layers" in line]
