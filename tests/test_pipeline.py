@@ -12,7 +12,10 @@ import concurrent.futures
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +23,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import scene
-from server_utils import image_data_url, start_pipeline, start_server
+from PIL import Image
+from server_utils import PipelineProcess, free_port, image_data_url, start_pipeline, start_server, wait_for
 
 from vlmserve.engine.models import Embedded
 from vlmserve.engine.pipeline import PipelineError, split_layers
@@ -33,6 +37,7 @@ from vlmserve.testing.build import ARCHS
 # read layers 2 and 3's KV (E2B/E4B's shared KV)
 FAMILIES = [*((arch, "micro", 0) for arch in ARCHS), ("gemma4", "small", 2)]
 ONE_IMAGE = {"paligemma", "llava_next"}  # what these families' mlx-vlm models take
+ROOT = Path(__file__).resolve().parents[1]
 IMAGES = [image_data_url(scene("circle", (220, 30, 30))), image_data_url(scene("square", (30, 30, 220)))]
 
 
@@ -137,6 +142,30 @@ def test_three_ranks_relay_the_step_and_the_hidden_state(tmp_path):
             assert _same(across, alone), (across, alone)
     finally:
         single.stop()
+        assert split.stop() == 0, split.log
+
+
+def test_the_readme_launch_line_serves_the_demo_model_split(tmp_path):
+    """The README's local launch line, as written but for the port: the demo model on two ranks
+    captions the README's picture as one process does."""
+    readme = (ROOT / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("mlx.launch --backend ring -n 2 -- vlmserve serve"))
+    port = free_port()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONUNBUFFERED": "1", "VLMSERVE_NO_OPENBLAS": "1"}
+    log = tmp_path / "split.log"
+    proc = subprocess.Popen(["bash", "-c", f"{line} --port {port}"], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env=env, cwd=ROOT)
+    split = PipelineProcess(proc, port, log, 2)
+    try:
+        wait_for(split, "/ready", 120)
+        picture = image_data_url(Image.open(ROOT / "assets" / "example.png"))
+        body = {"model": "demo-gemma4", "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": picture}}, {"type": "text", "text": "Describe the picture."}]}]}
+        response = httpx.post(split.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.json()["choices"][0]["message"]["content"] == "A red circle, a blue triangle and a yellow star."
+        assert "pipeline rank 1/2: layers 0-1 of 4" in split.log, split.log
+    finally:
         assert split.stop() == 0, split.log
 
 
