@@ -194,13 +194,20 @@ class Watch:
         self._thread = threading.Thread(target=self._watch, name="pipeline-watch", daemon=True)
         self._thread.start()
 
+    def start(self, what: str) -> None:
+        """From now on this rank waits on the others (``what``, for the message), until ``done``."""
+        self._what, self._since = what, time.monotonic()
+
+    def done(self) -> None:
+        self._since = None
+
     @contextlib.contextmanager
     def waiting(self, what: str) -> Iterator[None]:
-        self._what, self._since = what, time.monotonic()
+        self.start(what)
         try:
             yield
         finally:
-            self._since = None
+            self.done()
 
     def hang_message(self) -> str:
         return (f"pipeline: {self.stage.peers} did not answer {self._what} within {self.timeout_s:g} s (hung or stopped); "
@@ -238,12 +245,13 @@ class LeaderRunner(ModelRunner):
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         try:
-            with self.watch.waiting("a step"):
-                return super().execute(plan)
+            return super().execute(plan)
         finally:
             self._shared = False
+            self.watch.done()
 
     def _share(self, plan: SchedulerOutput, out: RunnerOutput) -> None:
+        self.watch.start("a step")  # not before: the vision tower, rank 0's alone, may take its time
         tokens = None
         if plan.decode and self.batch.tokens is not None:
             tokens = cast(list[int], self.batch.tokens.tolist())
