@@ -126,7 +126,9 @@ def start_pipeline(args: list[str], log_path: Path, ranks: int = 2, wait_ready: 
         pick = " ".join(f"[ $MLX_RANK = {r} ] && M={shlex.quote(m)};" for r, m in enumerate(models_by_rank))
         command = ["-c", f'{pick} exec {shlex.quote(sys.executable)} {shlex.join(command)} --model "$M"']
         interpreter = "/bin/bash"
-    cmd = [launcher, "--backend", "ring", "-n", str(ranks), "--python", interpreter, "--", *command]
+    # The ring's own ports: mlx.launch starts at 32323 unless told, which two groups at once would share
+    ring = ["--starting-port", str(free_port())]
+    cmd = [launcher, "--backend", "ring", "-n", str(ranks), *ring, "--python", interpreter, "--", *command]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLMSERVE_NO_OPENBLAS": "1"}
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
     server = PipelineProcess(proc, port, log_path, ranks)
