@@ -255,7 +255,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
         vision_cache_bytes=int(args.vision_cache_mb * 2**20), stall_timeout_s=args.stream_stall_timeout,
         mm_prefix_cache=args.mm_prefix_cache, mm_prefix_cache_bytes=int(args.mm_prefix_cache_gb * 2**30),
-        pipeline_timeout_s=args.pipeline_timeout, pipeline_heartbeat_s=min(2.0, args.pipeline_timeout / 4),
+        pipeline_timeout_s=args.pipeline_timeout,
     )
     return ServeConfig(
         models=tuple(args.model), host=args.host, port=args.port, api_key=args.api_key,

@@ -136,7 +136,8 @@ def serve_rank(config: ServeConfig) -> int:
 
     from vlmserve.engine.pipeline import group
 
-    size, rank = group().size(), int(os.environ["MLX_RANK"])
+    world = group()
+    size, rank = world.size(), world.rank()
     if size == 1:
         return serve(config)
     if len(config.models) > 1:

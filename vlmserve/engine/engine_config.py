@@ -36,7 +36,6 @@ class EngineConfig:
     vision_cache_bytes: int = 256 << 20  # image features kept across requests; 0: off (engine/vision_cache.py)
     # Serve across the ranks of an ``mlx.launch`` group (engine/pipeline.py): set by ``vlmserve serve`` on rank 0.
     pipeline: bool = False
-    # Rank 0 pings the other ranks this often, and declares one hung when a step or ping waits this long:
-    pipeline_heartbeat_s: float = 2.0
+    # Rank 0 declares another rank hung when a step or heartbeat (every min(2 s, a quarter of this)) waits this long:
     pipeline_timeout_s: float = 30.0
     stall_timeout_s: float = 30.0  # a consumer that takes no output for this long, with outputs waiting, is aborted

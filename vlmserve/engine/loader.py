@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 from vlmserve.engine.engine_config import DEFAULT_DTYPE, DTYPES
 from vlmserve.engine.models import ModelAdapter, UnsupportedModelError, adapter_for
@@ -109,8 +109,6 @@ def finish_loading(model: nn.Module, processor: Any, path_or_id: str, name: str 
 
 def weight_bytes(parameters: Any) -> int:
     """The bytes of a module's ``parameters()`` tree (or a list of arrays)."""
-    from mlx.utils import tree_flatten
-
     return sum(int(cast(mx.array, pair[1]).nbytes) for pair in tree_flatten(parameters))
 
 
@@ -219,14 +217,18 @@ def _span_token_ids(processor: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def default_kv_budget() -> int:
-    """The KV budget when none is configured: on Metal 80% of the recommended working set, else
-    half the physical memory, less what is allocated already (the weights); at least 256 MiB."""
+def usable_memory() -> int:
+    """What MLX may use here for weights and KV: on Metal 80% of the recommended working set, else
+    half the physical memory."""
     if mx.metal.is_available():
-        total = int(0.8 * int(mx.device_info()["max_recommended_working_set_size"]))
-    else:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-    return max(256 << 20, total - mx.get_active_memory())
+        return int(0.8 * int(mx.device_info()["max_recommended_working_set_size"]))
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+
+
+def default_kv_budget() -> int:
+    """The KV budget when none is configured: ``usable_memory`` less what is allocated already (the
+    weights); at least 256 MiB."""
+    return max(256 << 20, usable_memory() - mx.get_active_memory())
 
 
 def configure_process() -> None:

@@ -40,13 +40,13 @@ from mlx.utils import tree_flatten
 
 from vlmserve import __version__
 from vlmserve.engine import doorbell
-from vlmserve.engine.doorbell import Doorbell
 from vlmserve.engine.loader import (
     LoadedModel,
     ModelLoadError,
     check_local_path,
     finish_loading,
     load_error,
+    usable_memory,
     weight_bytes,
 )
 from vlmserve.engine.models import ModelAdapter
@@ -54,7 +54,7 @@ from vlmserve.engine.models import ModelAdapter
 log = logging.getLogger(__name__)
 
 
-class PipelineError(RuntimeError):
+class PipelineError(ModelLoadError):
     """The model cannot be split across the ranks as asked."""
 
 
@@ -72,7 +72,7 @@ class Stage:
     first: int
     last: int
     num_layers: int
-    doorbell: Doorbell = field(default_factory=lambda: Doorbell({}), compare=False, repr=False)
+    bell: doorbell.Doorbell = field(default_factory=lambda: doorbell.Doorbell({}), compare=False, repr=False)
 
     @property
     def upstream(self) -> int | None:
@@ -218,23 +218,20 @@ def splittable(adapter: ModelAdapter) -> str | None:
     return None
 
 
-def install(adapter: ModelAdapter, stage: Stage) -> list[nn.Module]:
-    """Put the stand-ins and the boundary layers in the decoder's layer list; returns the layers
-    dropped (held elsewhere), whose weights are never read."""
+def install(adapter: ModelAdapter, stage: Stage) -> None:
+    """Put the stand-ins and the receiving layer in the decoder's layer list; the layers held
+    elsewhere drop out of the model's tree, so their weights are never read."""
     inner = text_model(adapter)
     layers = list(inner.layers)
     returns_tuple = adapter.layer_returns_tuple
-    dropped = []
     for i, layer in enumerate(layers):
         if stage.first <= i < stage.last:
             if i == stage.first and stage.upstream is not None:
                 layers[i] = _Receives(layer, stage.upstream)
         else:
-            dropped.append(layer)
             send_to = stage.downstream if i == stage.last else None
             layers[i] = _Elsewhere(layer, returns_tuple, send_to)
     inner.layers = layers
-    return dropped
 
 
 class _Follower:
@@ -279,14 +276,10 @@ def model_identity(path: Path, dtype: str) -> str:
 
 
 def free_memory() -> int:
-    """What this rank can give weights and KV: Metal's recommended working set, else half the RAM
-    (``VLMSERVE_PIPELINE_MEMORY_GB`` overrides it, to weigh ranks by hand)."""
+    """What this rank can give weights and KV (``VLMSERVE_PIPELINE_MEMORY_GB`` overrides it, to weigh
+    ranks by hand)."""
     forced = os.environ.get("VLMSERVE_PIPELINE_MEMORY_GB")
-    if forced:
-        return int(float(forced) * 2**30)
-    if mx.metal.is_available():
-        return int(mx.device_info()["max_recommended_working_set_size"])
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    return int(float(forced) * 2**30) if forced else usable_memory()
 
 
 def exchange(info: RankInfo) -> list[RankInfo]:
@@ -333,10 +326,10 @@ def load_stage(path_or_id: str, name: str | None, dtype: str, trust_remote_code:
     whole = weight_bytes(loaded.model.parameters())
     # What each rank holds besides its layers: rank 0 the vision tower, embeddings and head; the rank
     # with the first layers the token embeddings it embeds each step's tokens with
+    embeddings = [getattr(inner, name, None) for name in ("embed_tokens", "embed_tokens_per_layer")]
     held = [0] * size
     held[0] = whole - sum(layer_bytes)
-    held[-1] += sum(weight_bytes(getattr(inner, name).parameters()) for name in ("embed_tokens", "embed_tokens_per_layer")
-                    if getattr(inner, name, None) is not None) if size > 1 else 0
+    held[-1] += sum(weight_bytes(e.parameters()) for e in embeddings if e is not None)
     budgets = [info.free_bytes - held[r] for r, info in enumerate(infos)]
     num_layers = len(layer_bytes)
     first, last = split_layers(layer_bytes, budgets, adapter.layer_starts())[rank]

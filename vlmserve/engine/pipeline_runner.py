@@ -82,7 +82,7 @@ class Link:
     def send(self, message: StepMessage) -> None:
         """To every other rank (relayed: rank 0 sends to rank 1, each rank to the next), each woken
         by its doorbell first."""
-        self.stage.doorbell.ring()
+        self.stage.bell.ring()
         self._send_to(self.stage.rank + 1, *self._pack(message))
 
     def heartbeat(self) -> None:
@@ -94,7 +94,7 @@ class Link:
 
     def receive(self) -> StepMessage:
         """The next message from rank 0, passed on to the next rank first."""
-        self.stage.doorbell.wait()  # asleep until rank 0 sends: MLX's recv would poll
+        self.stage.bell.wait()  # asleep until rank 0 sends: MLX's recv would poll
         blob, arrays = self._recv_from(self.stage.rank - 1)
         if self.stage.rank + 1 < self.stage.size:
             self._send_to(self.stage.rank + 1, blob, arrays)
@@ -276,7 +276,7 @@ class LeaderRunner(ModelRunner):
     def close(self) -> None:
         """Tell every rank to stop (after the last step)."""
         self.link.send(StepMessage(STOP))
-        self.stage.doorbell.close()
+        self.stage.bell.close()
 
 
 class FollowerRunner(ModelRunner):

@@ -195,7 +195,7 @@ class AsyncEngine:
     async def _beat(self, runner: LeaderRunner) -> None:
         """Ping every rank now and then, so a rank that hangs while nothing runs is noticed too."""
         while self.worker.alive:
-            await asyncio.sleep(self.config.pipeline_heartbeat_s)
+            await asyncio.sleep(min(2.0, self.config.pipeline_timeout_s / 4))
             try:
                 await self.worker.run(runner.heartbeat)
             except Exception:  # noqa: BLE001 - the worker died: _on_worker_exit says why
