@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,6 +22,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ring_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports for an mlx.launch ring (rank r binds the first + r).
+    Below Linux's ephemeral range (32768 on), as mlx.launch's own default 32323 is: there no client
+    connection takes one of them between this check and the bind. Not 32323 itself: two groups at
+    once would share it."""
+    for _ in range(200):
+        first = random.randrange(20000, 32700 - count)
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError("no free ports for the ring")
 
 
 @dataclass
@@ -126,8 +144,7 @@ def start_pipeline(args: list[str], log_path: Path, ranks: int = 2, wait_ready: 
         pick = " ".join(f"[ $MLX_RANK = {r} ] && M={shlex.quote(m)};" for r, m in enumerate(models_by_rank))
         command = ["-c", f'{pick} exec {shlex.quote(sys.executable)} {shlex.join(command)} --model "$M"']
         interpreter = "/bin/bash"
-    # The ring's own ports: mlx.launch starts at 32323 unless told, which two groups at once would share
-    ring = ["--starting-port", str(free_port())]
+    ring = ["--starting-port", str(ring_ports(ranks))]
     cmd = [launcher, "--backend", "ring", "-n", str(ranks), *ring, "--python", interpreter, "--", *command]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLMSERVE_NO_OPENBLAS": "1"}
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
