@@ -53,7 +53,11 @@ def pair(request, tmp_path_factory):
     path = str(build_model(arch, size, kv_shared_layers=shared))
     logs = tmp_path_factory.mktemp(f"pipeline-{_id(request.param)}")
     single = start_server(["--model", path, "--no-prefix-cache"], logs / "single.log")
-    split = start_pipeline(["--model", path], logs / "split.log")
+    try:
+        split = start_pipeline(["--model", path], logs / "split.log")
+    except BaseException:
+        single.stop()  # a launch that failed must not leave the other server behind
+        raise
     yield path, single, split, 1 if arch in ONE_IMAGE else 2
     single.stop()
     assert split.stop() == 0, split.log
