@@ -18,6 +18,7 @@ from vlmserve.config import (
     CaptionConfig,
     EngineConfig,
     ServeConfig,
+    SpeculativeConfig,
     field_default,
     param_default,
     resolve_model,
@@ -153,6 +154,13 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
                           "LLaVA), a no-op said at start-up elsewhere")
     srv.add_argument("--mm-prefix-cache-gb", type=float, default=engine.mm_prefix_cache_bytes / 2**30,
                      help="the image prefix cache's memory (least recently used entries go first)")
+    srv.add_argument("--speculative-config", default=None, metavar="JSON",
+                     help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                          '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; drafts are verified, so the output is the '
+                          "same, sooner where drafts are right (a request's OpenAI prediction is a draft on any server)")
+    srv.add_argument("--draft-model", default=None, metavar="PATH",
+                     help="a drafter model, as mlx_vlm.server spells it (not supported yet: refused at start-up)")
+    srv.add_argument("--draft-kind", default=None, metavar="KIND", help="the --draft-model's kind (mtp, eagle3, dflash...)")
     srv.add_argument("--allowed-media-dir", action="append", type=Path, default=[], help="local images may come from here")
     srv.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs (public addresses only)")
     srv.add_argument("--allowed-media-domains", nargs="+", action="extend", default=[], metavar="DOMAIN",
@@ -210,6 +218,20 @@ def _pixels(text: str) -> int:
     return int(float(text))
 
 
+def _speculative(args: argparse.Namespace) -> SpeculativeConfig | None | str:
+    """``--speculative-config`` (or mlx_vlm.server's ``--draft-model``/``--draft-kind``), or what is wrong."""
+    if args.draft_model is not None or args.draft_kind is not None:
+        kind = args.draft_kind or "a drafter"
+        return (f"--draft-model: {kind} models are not supported yet; speculate with "
+                f"--speculative-config '{{\"method\": \"ngram\"}}' or a request's prediction")
+    if args.speculative_config is None:
+        return None
+    try:
+        return SpeculativeConfig.parse(args.speculative_config)
+    except (TypeError, ValueError) as exc:
+        return f"--speculative-config: {exc}"
+
+
 def serve_config(args: argparse.Namespace) -> ServeConfig | str:
     """The parsed ``serve`` command line as a config, or what is wrong with it."""
     positive = (args.prefill_chunk, args.encoder_budget, args.stream_prefill_chunk or 1)
@@ -247,6 +269,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
     for directory in args.allowed_media_dir:
         if not directory.is_dir():
             return f"--allowed-media-dir {directory}: not a directory"
+    speculative = _speculative(args)
+    if isinstance(speculative, str):
+        return speculative
     engine = EngineConfig(
         max_batch_size=args.max_batch_size, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
         stream_prefill_chunk=args.stream_prefill_chunk, stream_step_share=args.stream_step_share,
@@ -255,7 +280,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
         vision_cache_bytes=int(args.vision_cache_mb * 2**20), stall_timeout_s=args.stream_stall_timeout,
         mm_prefix_cache=args.mm_prefix_cache, mm_prefix_cache_bytes=int(args.mm_prefix_cache_gb * 2**30),
-        pipeline_timeout_s=args.pipeline_timeout,
+        pipeline_timeout_s=args.pipeline_timeout, speculative=speculative,
     )
     return ServeConfig(
         models=tuple(args.model), host=args.host, port=args.port, api_key=args.api_key,

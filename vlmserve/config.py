@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.engine.engine_config import DEFAULT_DTYPE, DTYPES, EngineConfig
+from vlmserve.engine.speculative import SpeculativeConfig
 from vlmserve.preprocess.images import DEFAULT_MAX_PIXELS
 from vlmserve.preprocess.media import DEFAULT_DECODE_PIXELS
 
@@ -26,8 +27,8 @@ DEFAULT_PROMPT = "Describe this image."
 EXIT_USAGE = 2  # the exit status of a command line that cannot run, as argparse's
 
 
-__all__ = ["DEFAULT_DTYPE", "DTYPES", "CaptionConfig", "EngineConfig", "ServeConfig", "field_default", "param_default",
-           "usage_error"]
+__all__ = ["DEFAULT_DTYPE", "DTYPES", "CaptionConfig", "EngineConfig", "ServeConfig", "SpeculativeConfig", "field_default",
+           "param_default", "usage_error"]
 
 
 def field_default(cls: type, name: str) -> Any:

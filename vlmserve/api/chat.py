@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from vlmserve.api.errors import APIError, bad_request, retry_after
 from vlmserve.api.messages import ChatInput, guide_spec, to_chat_input, to_sampling_params
 from vlmserve.api.openai_format import ChoiceBuilder, choices_usage
-from vlmserve.api.schemas import ChatCompletionRequest
+from vlmserve.api.schemas import ChatCompletionRequest, SamplingFields
 from vlmserve.api.state import ServedModel, ServerState
 from vlmserve.engine.params import PromptInputs, SamplingParams
 from vlmserve.frontend.async_engine import (
@@ -179,6 +179,7 @@ async def open_call(req: ChatCompletionRequest, http: Request, state: ServerStat
     params = to_sampling_params(req, state.config.default_max_tokens, len(tokenizer) if tokenizer is not None else 0)
     if chat.tools and served.tool_parser:
         params = dataclasses.replace(params, skip_special_tokens=False)  # the parser needs the markers
+    params = await predicted(params, req, engine)
     opens_reasoning = engine.opens_reasoning_with(chat.template_kwargs)  # enable_thinking: false closes it
     wanted = guide_spec(req, served.tool_parser)
     if wanted is not None:
@@ -198,6 +199,16 @@ async def open_call(req: ChatCompletionRequest, http: Request, state: ServerStat
         await call.close_forks()
         return None
     return call, first, stream
+
+
+async def predicted(params: SamplingParams, req: SamplingFields, engine: AsyncEngine) -> SamplingParams:
+    """``params`` with the request's ``prediction`` as token ids (tokenized on the pool): the engine
+    verifies them as drafts, so they make the output no different, only sooner where they are right."""
+    if req.prediction is None or not req.prediction.text:
+        return params
+    text = req.prediction.text
+    ids = await engine.on_pool(lambda p: p.tokenize(text, add_special_tokens=False))
+    return dataclasses.replace(params, prediction=tuple(ids))
 
 
 def choice_count(given: int | None, max_batch: int) -> int:

@@ -40,6 +40,7 @@ from vlmserve.api.chat import (
     disconnected,
     engine_fault,
     fork_params,
+    predicted,
     refusal,
     sse_event,
 )
@@ -91,7 +92,7 @@ async def create_completion(req: CompletionRequest, http: Request, state: Server
     engine = served.engine
     vocab = len(engine.tokenizer) if engine.tokenizer is not None else 0
     prompts = await _prompt_ids(req, served, vocab)
-    params = _params(req, state, vocab)
+    params = await predicted(_params(req, state, vocab), req, engine)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     texts = await asyncio.gather(*(engine.on_pool(partial(PromptBuilder.detokenize, token_ids=ids)) for ids in prompts)) \
         if req.echo else [""] * len(prompts)

@@ -56,7 +56,15 @@ _COUNTERS = {
                          "Prompt tokens looked up in a prefix cache (text and image-keyed)"),
     "all_hit_tokens": ("vlmserve_prefix_cache_all_hit_tokens", "vllm:prefix_cache_hits",
                        "Prompt tokens served from a prefix cache (text and image-keyed)"),
+    # Speculative decoding (engine/speculative.py), as vLLM counts it
+    "spec_drafts": ("vlmserve_spec_decode_drafts", "vllm:spec_decode_num_drafts", "Drafts verified (a row's, a step)"),
+    "spec_draft_tokens": ("vlmserve_spec_decode_draft_tokens", "vllm:spec_decode_num_draft_tokens",
+                          "Draft tokens verified"),
+    "spec_accepted_tokens": ("vlmserve_spec_decode_accepted_tokens", "vllm:spec_decode_num_accepted_tokens",
+                             "Draft tokens accepted"),
 }
+_PER_POSITION = ("vlmserve_spec_decode_accepted_tokens_per_pos", "vllm:spec_decode_num_accepted_tokens_per_pos",
+                 "Draft tokens accepted, by their position in the draft (0: the first)")
 
 
 def _engine_values(engine: Any) -> tuple[dict[str, float], dict[str, float]] | None:
@@ -80,7 +88,9 @@ def _engine_values(engine: Any) -> tuple[dict[str, float], dict[str, float]] | N
                 "mm_prefix_hit_tokens": mm.hit_tokens if mm else 0, "mm_prefix_query_tokens": mm.query_tokens if mm else 0,
                 "prefix_budget_evictions": sum(store.budget_evictions for store in stores),
                 "all_query_tokens": sum(store.query_tokens for store in stores),
-                "all_hit_tokens": sum(store.hit_tokens for store in stores)}
+                "all_hit_tokens": sum(store.hit_tokens for store in stores),
+                "spec_drafts": m.spec_drafts, "spec_draft_tokens": m.spec_draft_tokens,
+                "spec_accepted_tokens": m.spec_accepted_tokens}
     return gauges, counters
 
 
@@ -95,10 +105,15 @@ class _EngineCollector:
         vllm = {k: GaugeMetricFamily(v, h, labels=["model_name"]) for k, (_, v, h) in _GAUGES.items() if v}
         counters = {k: CounterMetricFamily(n, h, labels=["model"]) for k, (n, _, h) in _COUNTERS.items()}
         theirs = {k: CounterMetricFamily(v, h, labels=["model_name"]) for k, (_, v, h) in _COUNTERS.items() if v}
+        positions = [CounterMetricFamily(_PER_POSITION[0], _PER_POSITION[2], labels=["model", "position"]),
+                     CounterMetricFamily(_PER_POSITION[1], _PER_POSITION[2], labels=["model_name", "position"])]
         for name, engine in self._engines():
             values = _engine_values(engine)
             if values is None:
                 continue
+            for i, accepted in enumerate(engine.metrics.spec_accepted_per_position):
+                for family in positions:
+                    family.add_metric([name, str(i)], accepted)
             for key, value in values[0].items():
                 ours[key].add_metric([name], value)
                 if key in vllm:
@@ -107,7 +122,7 @@ class _EngineCollector:
                 counters[key].add_metric([name], value)
                 if key in theirs:
                     theirs[key].add_metric([name], value)
-        yield from (*ours.values(), *vllm.values(), *counters.values(), *theirs.values())
+        yield from (*ours.values(), *vllm.values(), *counters.values(), *theirs.values(), *positions)
 
 
 class ServerMetrics:

@@ -114,7 +114,12 @@ def choices_usage(usages: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The usage of n > 1 choices of one prompt: its tokens once (prefilled once), every choice's completion."""
     first = usages[0]
     completion = sum(u.get("completion_tokens", 0) for u in usages)
-    return {**first, "completion_tokens": completion, "total_tokens": first.get("prompt_tokens", 0) + completion}
+    details = {k: sum(u.get("completion_tokens_details", {}).get(k, 0) for u in usages) for k in PREDICTION_USAGE}
+    return {**first, "completion_tokens": completion, "total_tokens": first.get("prompt_tokens", 0) + completion,
+            "completion_tokens_details": details}
+
+
+PREDICTION_USAGE = ("accepted_prediction_tokens", "rejected_prediction_tokens")
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
@@ -123,4 +128,6 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
         "completion_tokens": out.num_completion_tokens,
         "total_tokens": out.num_prompt_tokens + out.num_completion_tokens,
         "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        "completion_tokens_details": {"accepted_prediction_tokens": out.accepted_prediction_tokens,
+                                      "rejected_prediction_tokens": out.rejected_prediction_tokens},
     }

@@ -100,6 +100,17 @@ class ResponseFormat(_Lenient):
     json_schema: dict[str, Any] | None = None
 
 
+class Prediction(_Lenient):
+    """OpenAI's Predicted Outputs: text the output is expected to be, or to be close to (an edit)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart] = Field(max_length=1 << 20)
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
@@ -122,6 +133,7 @@ class SamplingFields(_Lenient):
     stream_options: StreamOptions | None = None
     n: int | None = None
     user: str | None = None
+    prediction: Prediction | None = None
     # Extensions, as vLLM and mlx-lm name them.
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None

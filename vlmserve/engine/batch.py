@@ -70,6 +70,18 @@ class DecodeBatch:
         assert self.tokens is not None
         self.tokens = self.tokens[index]
 
+    def read_unread(self) -> dict[str, Sample]:
+        """Read every row's unread input now (it waits for the step computing it): the samples not
+        reported yet, by row. Each row's input is then known on the host (``tokens`` is evaluated)."""
+        unread, self.unread = self.unread, [None] * len(self.request_ids)
+        return {rid: where[0].read(where[1]) for rid, where in zip(self.request_ids, unread) if where is not None}
+
+    def set_inputs(self, tokens: list[int]) -> None:
+        """Each row's next input, known on the host (after a verify: every sample was read)."""
+        assert len(tokens) == len(self.request_ids)
+        self.tokens = mx.array(tokens, dtype=mx.int32)
+        self.unread = [None] * len(tokens)
+
     def advance(self, step: SampledBatch) -> dict[str, Sample]:
         """``step`` (dispatched, not read) becomes every row's next input; returns the samples of the
         step before it, read now: the rows' current inputs that were not reported yet."""

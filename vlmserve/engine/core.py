@@ -7,7 +7,7 @@ import logging
 import queue
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -62,9 +62,11 @@ def scheduler_config(adapter: ModelAdapter, config: EngineConfig) -> SchedulerCo
     """The scheduler's view of one model: the engine's budgets and the adapter's layer facts."""
     # Across ranks a prompt is not split by layers: each rank's slice runs whole, one hop each
     layers, starts = (1, None) if config.pipeline else (adapter.num_layers, adapter.layer_starts())
+    verifies = adapter.verifies_drafts and not config.pipeline  # across ranks every rank would have to verify
     return SchedulerConfig(config.max_batch_size, config.prefill_chunk, config.stream_prefill_chunk,
                            config.encoder_budget, layers, starts,
-                           adapter.num_vision_blocks, adapter.reuses_prefix, not adapter.trims_cache)
+                           adapter.num_vision_blocks, adapter.reuses_prefix, not adapter.trims_cache,
+                           config.speculative if verifies else None, verifies)
 
 
 def new_request(loaded: LoadedModel, request_id: str, prompt: PromptInputs, params: SamplingParams,
@@ -155,11 +157,14 @@ class EngineCore:
         if self.config.stream_prefill_chunk is None:
             self.scheduler.stream_tokens = self.costs.stream_tokens()
             self.scheduler.pixel_tokens = self.costs.pixel_tokens()
+        if self.scheduler.drafts is not None:
+            self.scheduler.drafts.prompt_token_s = self.costs.prompt_token_s
+            self.scheduler.drafts.decode_step_s = self.costs.decode_step_s
         plan = self.scheduler.schedule()
         output = self.runner.execute(plan)
         self._apply(plan, output, self.scheduler.update_from_output(plan, output))
         self.costs.observe_vision(plan.encode_pixels, output.vision_seconds)
-        if plan.decode:
+        if plan.decode and not output.verified:  # a verify's step is not a decode step's cost
             self.costs.observe(time.perf_counter() - start, self._prompt_work(plan), output.vision_seconds)
         # Counters first: whoever sees this step's outputs also sees the state they left behind.
         self._record(time.perf_counter() - start, not plan.empty)
@@ -217,11 +222,13 @@ class EngineCore:
         m.vision_batches += output.vision_batches
         m.prefill_batches += output.prefill_batches
         m.prompt_tokens += sum(c.num_tokens for c in plan.prefill if c.final and c.request_id not in output.errors)
+        self._count_drafts(output.verified.values())
         for update in updates:
             req = update.request
             pending = self._pending_for(req)
             if update.token_id is not None:
-                sample = output.samples[req.request_id]
+                sample = update.sample
+                assert sample is not None
                 pending.tokens.append(update.token_id)
                 pending.logprobs.append(sample.logprob)
                 pending.prompt_logprobs = sample.prompt_logprobs or pending.prompt_logprobs
@@ -229,6 +236,16 @@ class EngineCore:
             if update.finish is not None:
                 self._requests.pop(req.request_id, None)
                 pending.finish, pending.error = update.finish, update.error
+
+    def _count_drafts(self, verified: Iterable[tuple[int, int]]) -> None:
+        """vLLM's spec_decode counters: drafts, their tokens, those accepted, accepted by position."""
+        m = self.metrics
+        for drafted, accepted in verified:
+            m.spec_drafts += 1
+            m.spec_draft_tokens += drafted
+            m.spec_accepted_tokens += accepted
+            per = list(m.spec_accepted_per_position) + [0] * max(0, drafted - len(m.spec_accepted_per_position))
+            m.spec_accepted_per_position = tuple(n + (i < accepted) for i, n in enumerate(per))
 
     def _finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
         """End a request outside a step's results (abort, shutdown); the runner frees it next step.
@@ -251,7 +268,7 @@ class EngineCore:
         outputs = tuple(
             StepOutput(p.request_id, tuple(p.tokens), tuple(p.logprobs), p.finish.value if p.finish else None,
                        p.error, p.req.num_prompt_tokens if p.req else 0, p.req.num_cached_tokens if p.req else 0,
-                       self.metrics.steps, p.prompt_logprobs)
+                       self.metrics.steps, p.prompt_logprobs, *(p.req.prediction_usage if p.req else (0, 0)))
             for p in self._pending.values()
         )
         self._pending.clear()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vlmserve.engine.speculative import SpeculativeConfig
+
 # How float weights are served: auto (float32 on a Linux CPU with OpenBLAS, else as stored),
 # model (as stored), or one dtype. See vlmserve.engine.loader.serving_dtype.
 DTYPES = ("auto", "model", "float32", "bfloat16", "float16")
@@ -38,4 +40,6 @@ class EngineConfig:
     pipeline: bool = False
     # Rank 0 declares another rank hung when a step or heartbeat (every min(2 s, a quarter of this)) waits this long:
     pipeline_timeout_s: float = 30.0
+    # Speculative decoding with ngram drafts (engine/speculative.py); None: only requests' predictions are drafts
+    speculative: SpeculativeConfig | None = None
     stall_timeout_s: float = 30.0  # a consumer that takes no output for this long, with outputs waiting, is aborted

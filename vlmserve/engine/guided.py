@@ -43,12 +43,56 @@ def allowed(rows: Sequence[Any], width: int) -> mx.array | None:
         return None
     words = np.full((len(rows), math.ceil(width / 32)), -1, dtype=np.int32)
     for i, row in enumerate(rows):
+        _fill(words[i], row.matcher)
+    return _unpack(words, width)
+
+
+def within_grammar(rows: Sequence[Any], drafts: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """Each row's draft up to the first token its grammar refuses (a guided row's matcher has consumed
+    the row's input already); drafted tokens past it could never be accepted."""
+    out = []
+    for row, draft in zip(rows, drafts):
         matcher = row.matcher
-        if matcher is None or matcher.is_error():
-            continue  # its request fails with this step (consume); meanwhile every token stays possible
-        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)[: words.shape[1]]
-        words[i] = 0
-        words[i, : bits.size] = bits
+        if matcher is not None and draft:
+            draft = draft[: matcher.validate_tokens(list(draft))] if not matcher.is_error() else ()
+        out.append(draft)
+    return out
+
+
+def allowed_at(rows: Sequence[Any], drafts: list[tuple[int, ...]], width: int) -> mx.array | None:
+    """``[positions, width]`` bool for a verify: at each row's input and draft tokens in turn, what its
+    grammar allows after the draft tokens before it. Each guided matcher is left having consumed its
+    whole draft (``roll_back`` then undoes the rejected part). None when no row is guided."""
+    if not guided(rows):
+        return None
+    words = np.full((sum(len(d) + 1 for d in drafts), math.ceil(width / 32)), -1, dtype=np.int32)
+    at = 0
+    for row, draft in zip(rows, drafts):
+        for j in range(len(draft) + 1):
+            _fill(words[at + j], row.matcher)
+            if j < len(draft) and row.matcher is not None and not row.matcher.is_error():
+                row.matcher.consume_token(int(draft[j]))
+        at += len(draft) + 1
+    return _unpack(words, width)
+
+
+def roll_back(rows: Sequence[Any], counts: Sequence[int]) -> None:
+    """Undo the last ``counts[i]`` tokens row ``i``'s matcher consumed (its rejected draft tokens)."""
+    for row, n in zip(rows, counts):
+        if row.matcher is not None and n and not row.matcher.is_error():
+            row.matcher.rollback(n)
+
+
+def _fill(words: np.ndarray, matcher: Any) -> None:
+    """One row of packed allow bits from ``matcher`` (left all ones without a grammar)."""
+    if matcher is None or matcher.is_error():
+        return  # its request fails with this step (consume); meanwhile every token stays possible
+    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)[: words.shape[0]]
+    words[:] = 0
+    words[: bits.size] = bits
+
+
+def _unpack(words: np.ndarray, width: int) -> mx.array:
     shifts = mx.arange(32, dtype=mx.int32)
-    unpacked = (mx.array(words)[:, :, None] >> shifts) & 1  # [B, words, 32], bit j of word w is token 32w+j
-    return unpacked.reshape(len(rows), -1)[:, :width].astype(mx.bool_)
+    unpacked = (mx.array(words)[:, :, None] >> shifts) & 1  # [N, words, 32], bit j of word w is token 32w+j
+    return unpacked.reshape(words.shape[0], -1)[:, :width].astype(mx.bool_)

@@ -42,6 +42,9 @@ class SamplingParams:
     # The prompt's own logprobs (each token given those before it), with this many alternatives:
     # None: not computed. The prompt is then prefilled by tokens, alone, without the prefix cache.
     prompt_logprobs: int | None = None
+    # OpenAI's Predicted Outputs: the tokens the client expects the output to be, or to be close to;
+    # verified as drafts (engine/speculative.py), so the output is what it would be without them
+    prediction: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

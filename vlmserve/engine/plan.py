@@ -97,7 +97,11 @@ class SchedulerOutput:
 
     new: list[NewRequest] = field(default_factory=list)
     encode: list[EncodeChunk] = field(default_factory=list)  # vision tower (or the vision cache) and merge
-    decode: list[str] = field(default_factory=list)  # one token each
+    decode: list[str] = field(default_factory=list)  # one token each, more where a draft is verified
+    # Speculative decoding: decode rows' draft tokens, verified in the step's one forward. They continue
+    # the tokens the scheduler knows; where a row's newest token was still computing when the step was
+    # planned (pipelined decode), the first draft token is a guess at it (engine/speculative.py).
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
     prefill: list[PrefillChunk] = field(default_factory=list)
     # Whole prompts that share one left-padded forward (two or more each); other chunks run alone.
     prefill_groups: list[list[str]] = field(default_factory=list)
@@ -119,7 +123,8 @@ class SchedulerOutput:
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
         """Tokens per request this step (vLLM's name): one per decode row, its chunk per prompt."""
-        return {**dict.fromkeys(self.decode, 1), **{c.request_id: c.num_tokens for c in self.prefill}}
+        decode = {r: 1 + len(self.drafts.get(r, ())) for r in self.decode}
+        return {**decode, **{c.request_id: c.num_tokens for c in self.prefill}}
 
 
 @dataclass(slots=True)
@@ -129,6 +134,10 @@ class RunnerOutput:
     of the step ended it with. A failed request has no token."""
 
     samples: dict[str, Sample] = field(default_factory=dict)
+    # A verified draft's further tokens, after ``samples``' one: the accepted drafts and the target's next
+    more: dict[str, list[Sample]] = field(default_factory=dict)
+    verified: dict[str, tuple[int, int]] = field(default_factory=dict)  # per row: draft tokens verified, accepted
+    unread: set[str] = field(default_factory=set)  # decode rows whose newest token is still computing
     prompt_lengths: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     vision_seconds: float = 0.0  # spent embedding image prompts: vision tower (or the vision cache) and merge

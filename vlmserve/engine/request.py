@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.speculative import Acceptance
 
 if TYPE_CHECKING:  # no MLX here: the prefix cache module imports mlx-lm
     from vlmserve.engine.prefix_cache import PrefixCacheStats
@@ -44,6 +45,9 @@ class StepOutput:
     num_cached_tokens: int = 0
     step: int = 0  # the engine step that produced it (admission delay, tests)
     prompt_logprobs: tuple[Any, ...] | None = None  # with the first token, when the request asked
+    # OpenAI's prediction, so far: its tokens the output kept, and those it did not (verified, rejected)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -66,6 +70,12 @@ class EngineMetrics:
     prefix: PrefixCacheStats | None = None
     vision: VisionCacheStats | None = None
     mm_prefix: PrefixCacheStats | None = None  # the image-keyed prefix cache (opt-in)
+    # Speculative decoding (vLLM's spec_decode counters): drafts verified, their tokens, those accepted,
+    # and accepted by position in the draft
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -130,6 +140,16 @@ class Request:
     # this request is forked from (it is never encoded or prefilled itself)
     forks: list[Request] = field(default_factory=list)
     fork_of: str | None = None
+    unread: bool = False  # its newest token is still computing (pipelined decode): not in output_token_ids yet
+    acceptance: Acceptance = field(default_factory=Acceptance)  # its drafts so far (speculative decoding)
+    drafts_from_prediction: bool = False  # the draft planned last came from its prediction
+
+    @property
+    def prediction_usage(self) -> tuple[int, int]:
+        """OpenAI's accepted and rejected prediction tokens: its prediction's drafted tokens the output
+        kept and those it did not (0, 0 without a prediction)."""
+        a = self.acceptance
+        return a.prediction_accepted, a.prediction_drafted - a.prediction_accepted
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

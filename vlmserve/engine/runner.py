@@ -39,6 +39,7 @@ from vlmserve.engine.plan import (
     TokenLogprob,
 )
 from vlmserve.engine.sampler import RowState, sample
+from vlmserve.engine.verify import read_drafts, verify
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,11 @@ class ModelRunner:
             self._guarded(out, [new.request_id], self._enter, new)
         self._encode_all(plan.encode, out)
         self._share(plan, out)
-        if plan.decode:
+        if plan.decode and plan.drafts:
+            self._guarded(out, plan.decode, self._verify, plan.drafts, out)
+        elif plan.decode:
             self._guarded(out, plan.decode, lambda: out.samples.update(self.decode(out.errors)))
+            out.unread.update(plan.decode)
         self._prefill_all(plan, out)
         return out
 
@@ -326,6 +330,22 @@ class ModelRunner:
         step = sample(logits, batch.sampling, batch.tokens, guided.allowed(batch.sampling, logits.shape[-1]))
         mx.async_eval(*step.arrays())  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
         return batch.advance(step)
+
+    def _verify(self, drafts: dict[str, tuple[int, ...]], out: RunnerOutput) -> None:
+        """Decode with drafts: every row's input and draft in one forward, read at once (engine/verify.py).
+        Where no draft is left once the inputs are read (every guess was wrong), a plain decode step."""
+        earlier, rows = read_drafts(self.batch, drafts)
+        out.samples.update(earlier)
+        if not any(rows):
+            out.samples.update(self.decode(out.errors))
+            out.unread.update(self.batch.request_ids)
+            return
+        verified = verify(self.adapter, self.batch, rows, earlier, out.errors)
+        for request_id, samples in verified.samples.items():
+            out.samples[request_id] = samples[0]
+            if len(samples) > 1:
+                out.more[request_id] = samples[1:]
+        out.verified.update(verified.counts)
 
     def remove(self, request_ids: Iterable[str]) -> None:
         """Drop finished or aborted requests, prefilling or decoding, and free their KV."""

@@ -27,8 +27,9 @@ from typing import Any, Protocol
 
 from vlmserve.engine.memory import KVBudget
 from vlmserve.engine.params import PromptInputs, pixel_count
-from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, RunnerOutput, SchedulerOutput
+from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, RunnerOutput, Sample, SchedulerOutput
 from vlmserve.engine.request import Request, RequestStatus
+from vlmserve.engine.speculative import DraftPolicy, SpeculativeConfig, follow_prediction, lookup
 
 SCORED_CHUNK = 128  # prompt tokens a step for a prompt whose logprobs are asked: its logits are [n, vocab]
 
@@ -48,6 +49,10 @@ class SchedulerConfig:
     # The cache cannot be cut back (recurrent state): a prompt's prefix is stored as a snapshot at its
     # stem (before the generation prompt, what the next turn repeats), not at its end.
     snapshots: bool = False
+    # Speculative decoding: ngram drafts with this config (None: off), and whether the runner verifies
+    # drafts at all (a request's prediction is a draft on any server that does)
+    speculative: SpeculativeConfig | None = None
+    verifies: bool = True
 
 
 class CacheBook(Protocol):
@@ -72,6 +77,7 @@ class RequestUpdate:
     token_id: int | None = None
     finish: RequestStatus | None = None
     error: str | None = None
+    sample: Sample | None = None  # what the runner gave for the token (its logprobs)
 
 
 @dataclass(slots=True)
@@ -118,6 +124,8 @@ class Scheduler:
         self._finished: list[str] = []  # ended since the last plan: the runner frees them next step
         self.stream_tokens = config.stream_prefill_chunk or config.prefill_chunk
         self.pixel_tokens = 0.0  # what the tower costs per pixel value, in prompt tokens' time (measured)
+        # How wide each step's verify goes (measured costs, set by the engine); None: drafts are never verified
+        self.drafts = DraftPolicy(config.speculative or SpeculativeConfig()) if config.verifies else None
 
     def add(self, req: Request) -> None:
         assert req.status is RequestStatus.WAITING
@@ -154,6 +162,7 @@ class Scheduler:
         out.new = self._admit()
         decoding = [r for r in self.running if r.encoded and r.prefill_done]
         out.decode = [r.request_id for r in decoding]
+        out.drafts = self._plan_drafts(decoding)
         since = min((r.first_token_time or math.inf for r in decoding), default=math.inf)
         text = [EncodeChunk(r.request_id) for r in self.running
                 if not r.encoded and not r.num_images and r.fork_of is None]
@@ -164,6 +173,39 @@ class Scheduler:
         out.encode, out.prefill = text + images, budgets.prefill
         out.prefill_groups = self._groups(out.prefill)
         return out
+
+    def _plan_drafts(self, decoding: list[Request]) -> dict[str, tuple[int, ...]]:
+        """Each decoding row's draft this step, all cut to the width the policy finds pays (maybe none)."""
+        if self.drafts is None:
+            return {}
+        proposed = {r.request_id: (r, d) for r in decoding if (d := self._propose(r))}
+        width = self.drafts.width([r.acceptance.rate for r, _ in proposed.values()],
+                                  [len(d) - r.unread for r, d in proposed.values()], len(decoding))
+        if width == 0:
+            return {}
+        return {rid: tuple(d[:width + r.unread]) for rid, (r, d) in proposed.items() if len(d) > r.unread}
+
+    def _propose(self, req: Request) -> list[int]:
+        """``req``'s draft: its prediction's next tokens, else (ngram on) a prompt lookup. Where its
+        newest token is still computing, one more token goes first: the guess at that one."""
+        p, config = req.params, self.config.speculative
+        k = (config.num_speculative_tokens if config is not None else self.drafts.config.num_speculative_tokens
+             if self.drafts is not None else 0)
+        done = len(req.output_token_ids) + req.unread
+        room = min(p.max_tokens - done, req.max_context - req.num_prompt_tokens - done) - 1
+        k = min(k, room) + req.unread
+        if k <= req.unread or p.needs_history:  # penalties look at each token before it: no drafts
+            return []
+        req.drafts_from_prediction = bool(p.prediction)
+        if p.prediction:
+            draft = follow_prediction(p.prediction, req.output_token_ids, k, 8)
+            if draft or config is None:
+                return draft
+            req.drafts_from_prediction = False
+        if config is None:
+            return []
+        known = [*req.prompt.input_ids, *req.output_token_ids]
+        return lookup(known, k, config.prompt_lookup_min, config.prompt_lookup_max)
 
     def _plan_prefill(self, budgets: _Budgets, embedding_now: set[str]) -> None:
         """Prompt pieces in admission order while the budget lasts: of the prompts already embedded,
@@ -387,17 +429,31 @@ class Scheduler:
                     updates.append(RequestUpdate(fork, finish=fork.status, error=output.errors[request_id]))
             elif (sample := output.samples.get(request_id)) is not None:
                 req.first_token_time = req.first_token_time or now
-                updates.append(self._take(req, sample.token_id))
+                updates += self._take_all(req, [sample, *output.more.get(request_id, ())])
+            if request_id in output.verified:
+                req.acceptance.record(*output.verified[request_id], req.drafts_from_prediction)
+            req.unread = request_id in output.unread
         if any(c.store_prefix for c in plan.prefill):
             self._within_budget(self.kv_reserved_bytes)  # a prefix was stored: the stores grew
         return updates
 
-    def _take(self, req: Request, token: int) -> RequestUpdate:
+    def _take_all(self, req: Request, samples: list[Sample]) -> list[RequestUpdate]:
+        """The step's tokens for ``req``, in order, up to the one that ends it (a verified draft may
+        run past its end: the rest is dropped)."""
+        updates = []
+        for sample in samples:
+            updates.append(self._take(req, sample))
+            if req.status.finished:
+                break
+        return updates
+
+    def _take(self, req: Request, sample: Sample) -> RequestUpdate:
+        token = sample.token_id
         status = req.append_token(token)
         if status is not None:
             self.finish(req, status)
         kept = None if status is RequestStatus.FINISHED_STOPPED else token  # a stop token is not output
-        return RequestUpdate(req, kept, status)
+        return RequestUpdate(req, kept, status, sample=sample)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a request out of the scheduler for good (done, aborted or failed); the runner frees

@@ -27,6 +27,8 @@ class RequestOutput:
     engine_step: int = 0
     prompt_logprobs: tuple[Any, ...] | None = None  # TokenLogprob or None per prompt position, when asked
     stop_string: str | None = None  # the stop string that ended it (vLLM's stop_reason), with the last output
+    accepted_prediction_tokens: int = 0  # OpenAI's prediction: its drafted tokens the output kept so far
+    rejected_prediction_tokens: int = 0  # and those it did not
 
     @property
     def finished(self) -> bool:
@@ -56,7 +58,8 @@ class OutputProcessor:
         return RequestOutput(
             out.request_id, text, out.token_ids, out.logprobs, finish or out.finish_reason,
             out.num_prompt_tokens, self.num_completion_tokens, out.num_cached_tokens, out.error, out.step,
-            out.prompt_logprobs, self.stop_string if finish else None,
+            out.prompt_logprobs, self.stop_string if finish else None, out.accepted_prediction_tokens,
+            out.rejected_prediction_tokens,
         )
 
     def _apply_stop(self, text: str, final: bool) -> tuple[str, str | None]:

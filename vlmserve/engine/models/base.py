@@ -25,6 +25,8 @@ from mlx_vlm.generate.ar import (
     _unpad_batch_prompts,
 )
 from mlx_vlm.models.cache import make_prompt_cache
+from mlx_vlm.speculative.cache_state import commit_speculative_round
+from mlx_vlm.speculative.common import verify_forward
 
 from vlmserve.engine.params import ImageItem, PromptInputs
 
@@ -90,6 +92,12 @@ class ModelAdapter:
         """Does a restored prefix of an image prompt (the opt-in image-keyed cache) continue exactly as
         a whole prefill would? Only where tested (``tests/test_engine_mm_prefix.py``): off by default."""
         return False
+
+    @property
+    def verifies_drafts(self) -> bool:
+        """May decode verify a draft: several positions per row in one forward, then each row's cache cut
+        back to what it accepted (mlx-vlm's speculative cache transaction)? Tested per family."""
+        return True
 
     @property
     def mm_prefix_limit(self) -> int | None:
@@ -262,6 +270,24 @@ class ModelAdapter:
         out = self.language_model(tokens, cache=cache, **row_state)
         logits: mx.array = out.logits[:, -1, :]
         return logits
+
+    def verify(self, tokens: mx.array, cache: list[Any], row_state: dict[str, mx.array]) -> tuple[mx.array, Any]:
+        """Every row's input and draft (``tokens``: ``[B, W]``) in one forward inside mlx-vlm's
+        speculative cache transaction; returns each position's logits ``[B, W, vocab]`` and the
+        transaction, for ``commit``."""
+        lm = self.language_model
+        if callable(getattr(lm, "speculative_verify_logits", None)):  # Qwen3.5's own exact verifier
+            out = lm(tokens, cache=cache, speculative_verify=True, **row_state)
+            transaction = out.gdn_states
+        else:
+            out, transaction = verify_forward(lm, tokens, cache, **row_state)  # type: ignore[no-untyped-call]
+        logits: mx.array = out.logits
+        return logits, transaction
+
+    def commit(self, transaction: Any, cache: list[Any], accepted: list[int], width: int) -> None:
+        """Keep each row's input and its first ``accepted[row]`` draft positions of a ``width``-wide
+        verify, in every cache (trimmed, rolled back, or its recorded states picked)."""
+        commit_speculative_round(self.language_model, cache, transaction, accepted, width)  # type: ignore[no-untyped-call]
 
 
 def _stack_rows(values: list[mx.array], lengths: list[int], longest: int) -> mx.array:

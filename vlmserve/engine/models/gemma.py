@@ -110,6 +110,10 @@ class PaliGemmaAdapter(ModelAdapter):
         logits: mx.array = self.language_model(tokens, cache=cache, mask=mask, **row_state).logits[:, -1, :]
         return logits
 
+    def verify(self, tokens: mx.array, cache: list[Any], row_state: dict[str, mx.array]) -> tuple[mx.array, Any]:
+        # A draft's positions are causal too, as decode's one (no mask would let them see padding and later ones)
+        return super().verify(tokens, cache, {**row_state, "mask": create_attention_mask(tokens, cache, return_array=True)})
+
 
 def _past_last_media(adapter: ModelAdapter, prompt: PromptInputs) -> int | None:
     """Past a prompt's last media token: only its vision spans attend both ways, so from there a chunk

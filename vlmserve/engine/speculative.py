@@ -1,0 +1,183 @@
+"""[any] Speculative decoding's drafts and the policy that sizes them. No MLX here.
+
+A draft is a guess at a row's next tokens; the runner verifies a row's input and its draft in one
+forward and keeps the longest prefix the target itself would have produced (engine/verify.py), so
+the output is the target's, token for token. Two sources, both model-free:
+
+- ``ngram`` (prompt lookup, vLLM's ``--speculative-config '{"method": "ngram", ...}'``): the tokens
+  that followed the most recent earlier occurrence of the row's last ``n`` tokens, in its prompt and
+  output, for ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``;
+- OpenAI's ``prediction`` (any server, per request): the predicted text's tokens that follow where
+  the output stands in it.
+
+Speculating costs a verify forward ``k + 1`` positions wide per row, and ends the decode pipeline
+for the step (the next input is known only once the acceptance is read). ``DraftPolicy`` picks the
+step's width from the measured costs (engine/costs.py) and each row's acceptance so far, and drafts
+nothing where that does not pay.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+METHODS = ("ngram",)
+# Named by vLLM and mlx_vlm.server, and not run here (yet): refused at start-up, in one line.
+DRAFTER_METHODS = ("draft_model", "mtp", "eagle", "eagle3", "dflash", "medusa")
+PRIOR_ACCEPTED, PRIOR_DRAFTED = 1.0, 2.0  # a row's acceptance before it has any: 0.5, weighed as 2 tokens
+_FORGET = 0.9  # each verify, a row's acceptance counts weigh this much less (recent behaviour wins)
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config`` as vLLM spells it (the ngram method's fields)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # draft tokens per row and step, at most
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # false: draft ``num_speculative_tokens`` whenever there is a draft, whatever it costs (tests)
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method in DRAFTER_METHODS:
+            raise ValueError(f"method {self.method!r} (a drafter model) is not supported yet; "
+                             f"this server speculates with {', '.join(METHODS)} and OpenAI's prediction")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; one of {', '.join(METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64")
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """From the flag's JSON; ValueError naming what is wrong."""
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON: {exc}") from None
+        if not isinstance(given, dict):
+            raise ValueError("must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known - {"model"})
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if given.get("model") is not None:
+            raise ValueError(f"a drafter model ({given['model']!r}) is not supported yet; "
+                             f"use method {', '.join(METHODS)} or a request's prediction")
+        given.pop("model", None)
+        return cls(**given)
+
+
+def lookup(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup: the ``k`` tokens after the most recent earlier occurrence of the last ``n``
+    tokens of ``tokens``, for the longest ``n`` in ``[min_n, max_n]`` that occurs; [] when none does."""
+    if k < 1 or len(tokens) <= min_n:
+        return []
+    array = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_n, len(array) - 1), min_n - 1, -1):
+        starts = _occurrences(array[:-1], array[-n:])  # not the tail itself
+        if starts.size:
+            after = int(starts[-1]) + n
+            return [int(t) for t in array[after:after + k]]
+    return []
+
+
+def follow_prediction(prediction: Sequence[int], output: Sequence[int], k: int, max_n: int) -> list[int]:
+    """The ``k`` predicted tokens after where ``output`` stands in ``prediction``: right after it while
+    it is the prediction's prefix; else after the occurrence of the output's longest tail (``max_n``
+    tokens at most) nearest to where the output would stand in it (an edit moves it little)."""
+    if k < 1 or not prediction:
+        return []
+    n_out = len(output)
+    if list(prediction[:n_out]) == list(output):
+        return list(prediction[n_out:n_out + k])
+    array = np.asarray(prediction, dtype=np.int64)
+    tail = np.asarray(output[-max_n:], dtype=np.int64)
+    for n in range(min(len(tail), len(array)), 0, -1):
+        starts = _occurrences(array, tail[-n:])
+        if starts.size:
+            after = int(starts[np.argmin(np.abs(starts + n - n_out))]) + n
+            return [int(t) for t in array[after:after + k]]
+    return []
+
+
+def _occurrences(array: np.ndarray, pattern: np.ndarray) -> np.ndarray:
+    """Where ``pattern`` starts in ``array`` (ascending)."""
+    n = pattern.size
+    if n == 0 or array.size < n:
+        return np.zeros(0, dtype=np.int64)
+    windows = np.lib.stride_tricks.sliding_window_view(array, n)
+    return np.flatnonzero((windows == pattern).all(axis=1))
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """One request's record of its drafts: a decaying count of draft tokens offered and accepted
+    (the policy's estimate of the chance its next draft token is right), and the totals of those
+    drawn from its prediction (OpenAI's usage)."""
+
+    accepted: float = PRIOR_ACCEPTED
+    drafted: float = PRIOR_DRAFTED
+    prediction_drafted: int = 0
+    prediction_accepted: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.drafted
+
+    def record(self, drafted: int, accepted: int, from_prediction: bool) -> None:
+        """A verify offered ``drafted`` tokens and the target kept the first ``accepted``; a draft runs
+        until its first miss, so a fully accepted one shows no miss."""
+        if drafted <= 0:
+            return
+        self.accepted = _FORGET * self.accepted + accepted
+        self.drafted = _FORGET * self.drafted + accepted + (accepted < drafted)
+        if from_prediction:
+            self.prediction_drafted += drafted
+            self.prediction_accepted += accepted
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a verify of a ``k``-token draft yields, on average, when each draft token is right with
+    probability ``rate`` given those before it: the accepted run and the target's own next token."""
+    rate = min(max(rate, 0.0), 0.999)
+    return (1 - rate ** (k + 1)) / (1 - rate)
+
+
+@dataclass(slots=True)
+class DraftPolicy:
+    """How wide this step's verify is: the width that makes the most tokens per second of step.
+
+    A step of ``B`` rows costs a decode step plus, for a verify ``w`` positions wider, ``B * w`` prompt
+    tokens' time (every row goes the same width: ragged drafts are padded). A row with a draft of
+    ``k`` tokens yields ``expected_tokens(rate, min(k, w))``; a row without one yields 1.
+    """
+
+    config: SpeculativeConfig
+    prompt_token_s: float = 0.0  # measured (engine/costs.py); 0: not yet, every draft goes
+    decode_step_s: float = 0.0
+
+    def width(self, rates: Sequence[float], drafts: Sequence[int], rows: int) -> int:
+        """The step's draft width for the ``rows`` decoding rows, of which the drafted ones have
+        acceptance ``rates`` and drafts of ``drafts`` tokens; 0: no verify this step."""
+        longest = min(max(drafts, default=0), self.config.num_speculative_tokens)
+        if not self.config.adaptive or longest == 0 or self.prompt_token_s <= 0 or self.decode_step_s <= 0:
+            return longest
+        best, best_rate = 0, rows / self.decode_step_s
+        for w in range(1, longest + 1):
+            tokens = rows - len(drafts) + sum(expected_tokens(r, min(k, w)) for r, k in zip(rates, drafts))
+            rate = tokens / (self.decode_step_s + rows * w * self.prompt_token_s)
+            if rate > best_rate:
+                best, best_rate = w, rate
+        return best
+
+
+def describe(config: SpeculativeConfig | None) -> dict[str, Any] | None:
+    """The config as /v1/models and logs show it."""
+    return None if config is None else {f.name: getattr(config, f.name) for f in fields(config)}
