@@ -36,6 +36,7 @@ class FakeAdapter:
     mm_prefix_exact: bool = False
     mm_prefix_limit: int | None = None
     trims_cache: bool = True
+    verifies_drafts: bool = True
 
     def can_chunk(self, prompt: PromptInputs) -> bool:
         return not prompt.has_images

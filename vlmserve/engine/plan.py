@@ -134,13 +134,13 @@ class RunnerOutput:
     of the step ended it with. A failed request has no token."""
 
     samples: dict[str, Sample] = field(default_factory=dict)
-    # A verified draft's further tokens, after ``samples``' one: the accepted drafts and the target's next
-    more: dict[str, list[Sample]] = field(default_factory=dict)
-    verified: dict[str, tuple[int, int]] = field(default_factory=dict)  # per row: draft tokens verified, accepted
-    unread: set[str] = field(default_factory=set)  # decode rows whose newest token is still computing
     prompt_lengths: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     vision_seconds: float = 0.0  # spent embedding image prompts: vision tower (or the vision cache) and merge
     vision_batches: int = 0  # vision forwards shared by several image prompts
     prefill_batches: int = 0  # forwards that prefilled several whole prompts together
     faults: int = 0  # parts of the step that raised
+    # A verified draft's further tokens, after ``samples``' one: the accepted drafts and the target's next
+    more: dict[str, list[Sample]] = field(default_factory=dict)
+    verified: dict[str, tuple[int, int]] = field(default_factory=dict)  # per row: draft tokens verified, accepted
+    unread: set[str] = field(default_factory=set)  # decode rows whose newest token is still computing

@@ -1,0 +1,82 @@
+"""Speculative decoding through a real server and the openai client: ``--speculative-config`` and
+OpenAI's ``prediction`` on the demo model give the same answer as without, with the prediction's
+usage and vLLM's spec_decode counters; configurations that cannot run are refused at start-up."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PICTURE = base64.b64encode((ROOT / "assets" / "example.png").read_bytes()).decode()
+CAPTION = "A red circle, a blue triangle and a yellow star."
+
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory):
+    from server_utils import start_server
+
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    server = start_server(["--speculative-config", config], tmp_path_factory.mktemp("logs") / "spec.log")
+    yield server
+    server.stop()
+
+
+def _caption(client: openai.OpenAI, **extra) -> openai.types.chat.ChatCompletion:
+    return client.chat.completions.create(
+        model="demo-gemma4", max_tokens=64, temperature=0,
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PICTURE}"}},
+            {"type": "text", "text": "Describe this image."}]}], **extra)
+
+
+def test_a_prediction_gives_the_same_answer_and_its_usage(spec_server):
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    plain = _caption(client)
+    close = _caption(client, prediction={"type": "content", "content": "A red circle, a green triangle and a yellow star."})
+    assert plain.choices[0].message.content == close.choices[0].message.content == CAPTION
+    details = close.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens > 0
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    assert close.usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_a_streamed_prediction_and_the_spec_decode_counters(spec_server):
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    chunks = list(_caption(client, stream=True, stream_options={"include_usage": True},
+                           prediction={"type": "content", "content": [{"type": "text", "text": CAPTION}]}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == CAPTION
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
+    metrics = httpx.get(spec_server.url + "/metrics").text
+    counters = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("vllm:spec_decode") and "position" not in line}
+    assert counters["vllm:spec_decode_num_drafts_total"] > 0
+    assert 0 < counters["vllm:spec_decode_num_accepted_tokens_total"] <= counters["vllm:spec_decode_num_draft_tokens_total"]
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="demo-gemma4",position="0"}' in metrics
+
+
+def test_a_bad_prediction_is_a_400(spec_server):
+    r = httpx.post(spec_server.url + "/v1/chat/completions", json={
+        "model": "demo-gemma4", "messages": [{"role": "user", "content": "hi"}],
+        "prediction": {"type": "image", "content": "x"}})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("prediction")
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}'], "drafter model"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 40}'], "num_speculative_tokens"),
+    (["--speculative-config", "{nope"], "not JSON"),
+    (["--draft-model", "/models/drafter", "--draft-kind", "mtp"], "not supported yet"),
+])
+def test_what_cannot_run_is_refused_at_start_up_in_one_line(args, says):
+    done = subprocess.run([sys.executable, "-m", "vlmserve.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

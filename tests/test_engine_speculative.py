@@ -1,0 +1,252 @@
+"""Speculative decoding (engine/speculative.py, engine/verify.py): drafts never change the output.
+
+The oracle is mlx-vlm's own single-request greedy decode (``reference_greedy``): on every family a
+request with drafts (ngram lookups, a prediction with an error and a deletion in it) gives its tokens,
+alone and in a batch with requests whose drafts miss or that have none. Sampled requests repeat
+exactly with drafts and without (each token's draw is its own, whichever forward computed it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import gather, scene
+from test_families import Family, _start, _stop
+
+from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.plan import RunnerOutput, Sample
+from vlmserve.engine.request import Request
+from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
+from vlmserve.engine.speculative import (
+    Acceptance,
+    DraftPolicy,
+    SpeculativeConfig,
+    expected_tokens,
+    follow_prediction,
+    lookup,
+)
+from vlmserve.testing import ARCHS, build_model
+
+NGRAM = SpeculativeConfig(prompt_lookup_min=1, adaptive=False)  # a draft wherever any token repeats
+GREEDY = SamplingParams(max_tokens=14, ignore_eos=True)
+TEXT = "one two three four, one two three four, say it again: one two three four"
+
+
+# -- drafts, without a model ------------------------------------------------------------
+
+@pytest.mark.parametrize(("tokens", "k", "expected"), [
+    ([1, 2, 3, 9, 1, 2], 3, [3, 9, 1]),  # the tail [1, 2] came before: what followed it
+    ([1, 2, 5, 4, 2, 7, 1, 2], 2, [5, 4]),  # the longest tail that occurs ([1, 2], not [2])
+    ([3, 2, 8, 2, 9, 2], 1, [9]),  # [2] alone: its most recent earlier occurrence
+    ([1, 2, 3, 4], 3, []),  # nothing repeats
+    ([5, 5], 4, [5]),  # the continuation ends where the tokens do
+])
+def test_prompt_lookup(tokens: list[int], k: int, expected: list[int]) -> None:
+    assert lookup(tokens, k, 1, 4) == expected
+
+
+def test_prompt_lookup_needs_prompt_lookup_min_tokens() -> None:
+    assert lookup([1, 2, 3, 9, 4, 2], 2, 2, 4) == []  # [4, 2] never came before; [2] alone is too short
+    assert lookup([1, 2, 3, 9, 4, 2], 2, 1, 4) == [3, 9]
+
+
+@pytest.mark.parametrize(("prediction", "output", "expected"), [
+    ([1, 2, 3, 4, 5], [1, 2], [3, 4]),  # the output is the prediction's prefix so far
+    ([1, 2, 3, 4, 5, 6], [1, 2, 9, 3], [4, 5]),  # an insertion: realigned on the tail [3]
+    ([1, 2, 3, 4, 5, 6], [1, 2, 4], [5, 6]),  # a deletion
+    ([7, 1, 7, 2, 7, 3], [7, 1, 7, 2, 8, 7], [3]),  # [7] three times: the one nearest where the output stands
+    ([1, 2, 3], [1, 2, 3], []),  # the prediction is used up
+    ([1, 2, 3], [8, 9], []),  # nothing in common
+])
+def test_following_a_prediction(prediction: list[int], output: list[int], expected: list[int]) -> None:
+    assert follow_prediction(prediction, output, 2, 8) == expected
+
+
+def test_the_policy_drafts_only_where_it_pays() -> None:
+    policy = DraftPolicy(SpeculativeConfig(num_speculative_tokens=6), prompt_token_s=0.002, decode_step_s=0.01)
+    # A draft token costs a fifth of a step here: a row whose drafts are right 9 times in 10 goes wide,
+    assert policy.width([0.9], [6], rows=1) >= 4
+    # one whose drafts are right 1 time in 10 does not go at all,
+    assert policy.width([0.1], [6], rows=1) == 0
+    # and a batch of 8, of which one row has a draft, pays 8 rows' width for it: none.
+    assert policy.width([0.9], [6], rows=8) == 0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert DraftPolicy(SpeculativeConfig(adaptive=False), 1.0, 0.01).width([0.0], [3], rows=8) == 3
+
+
+def test_acceptance_forgets_and_counts_the_prediction() -> None:
+    a = Acceptance()
+    for _ in range(20):
+        a.record(4, 0, from_prediction=True)
+    assert a.rate < 0.1 and (a.prediction_drafted, a.prediction_accepted) == (80, 0)
+    for _ in range(20):
+        a.record(4, 4, from_prediction=False)
+    assert a.rate > 0.8 and a.prediction_drafted == 80
+
+
+@pytest.mark.parametrize("text", ['{"method": "mtp", "model": "x"}', '{"method": "eagle3"}', '{"method": "ngram", '
+                                  '"num_speculative_tokens": 0}', '{"method": "ngram", "bogus": 1}', "[1]", "nope"])
+def test_configs_that_cannot_run_are_refused_in_one_line(text: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        SpeculativeConfig.parse(text)
+    assert "\n" not in str(refused.value)
+
+
+# -- the scheduler plans drafts (fakes, no MLX) -----------------------------------------
+
+def _decoding(scheduler: Scheduler, params: SamplingParams, output: list[int]) -> Request:
+    req = Request("r", PromptInputs([1, 2, 3]), params)
+    scheduler.add(req)
+    scheduler.schedule()
+    req.encoded, req.num_computed_tokens, req.output_token_ids = True, 3, list(output)
+    return req
+
+
+def test_the_plan_carries_each_rows_draft_cut_to_what_it_may_still_generate() -> None:
+    config = SchedulerConfig(max_batch_size=4, prefill_chunk=64, speculative=NGRAM)
+    scheduler = Scheduler(config)
+    req = _decoding(scheduler, SamplingParams(max_tokens=8, prediction=(7, 8, 9, 10, 11, 12, 13)), [7, 8])
+    plan = scheduler.schedule()
+    assert plan.drafts == {"r": (9, 10, 11, 12)} and plan.num_scheduled_tokens == {"r": 5}
+    req.output_token_ids = [7, 8, 9, 10, 11, 12]  # two tokens left: one drafted, the target's after it
+    assert scheduler.schedule().drafts == {"r": (13,)}
+    req.unread = True  # its newest token is still computing: the draft starts with a guess at it
+    req.output_token_ids = [7, 8, 9, 10, 11]
+    assert scheduler.schedule().drafts == {"r": (12, 13)}
+
+
+def test_penalised_rows_get_no_draft() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=4, prefill_chunk=64, speculative=NGRAM))
+    _decoding(scheduler, SamplingParams(max_tokens=8, repetition_penalty=1.2, prediction=(7, 8, 9)), [7])
+    assert scheduler.schedule().drafts == {}
+
+
+def test_a_verified_draft_gives_its_tokens_in_order_up_to_the_end() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=4, prefill_chunk=64))
+    req = _decoding(scheduler, SamplingParams(max_tokens=4, prediction=(5, 6, 7, 8, 9)), [5])
+    plan = scheduler.schedule()
+    assert plan.drafts == {"r": (6, 7)}
+    out = RunnerOutput(samples={"r": Sample(5)}, more={"r": [Sample(6), Sample(7), Sample(8)]}, verified={"r": (2, 2)})
+    updates = scheduler.update_from_output(plan, out)
+    assert [u.token_id for u in updates] == [5, 6, 7]  # max_tokens 4: the target's 8 is past the end
+    assert req.output_token_ids == [5, 5, 6, 7] and updates[-1].finish is not None
+    assert req.prediction_usage == (2, 0)
+
+
+def test_no_drafts_where_the_runner_cannot_verify() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=4, prefill_chunk=64, verifies=False))
+    _decoding(scheduler, SamplingParams(max_tokens=8, prediction=(7, 8, 9)), [7])
+    assert scheduler.schedule().drafts == {}
+
+
+# -- every family, on the real worker ------------------------------------------------------
+
+@pytest.fixture(scope="module", params=ARCHS)
+def family(request: pytest.FixtureRequest) -> Iterator[Family]:
+    started = _start(build_model(request.param, "micro"), speculative=NGRAM, prefix_cache=False)
+    yield started
+    _stop(started)
+
+
+def _edited(tokens: list[int]) -> tuple[int, ...]:
+    """A prediction close to ``tokens``: one wrong, one left out."""
+    return (*tokens[:3], (tokens[3] + 1) % 100, *tokens[4:7], *tokens[8:])
+
+
+def test_drafts_give_mlx_vlm_greedy_tokens_alone_and_batched(family: Family) -> None:
+    if not family.engine.loaded.adapter.verifies_drafts:
+        assert family.engine.core.scheduler.drafts is None  # off, and said where it is (README)
+        pytest.skip(f"{family.arch}: drafts are not verified")
+    red = scene("circle", (220, 30, 30))
+    prompts = [family.prompt(TEXT), family.prompt("describe it; " + TEXT, [red]), family.prompt("hi")]
+    want = [family.reference(p, GREEDY.max_tokens) for p in prompts]
+    m0 = family.engine.metrics
+    alone = [family.run(family.tokens(f"a{i}", p, GREEDY)) for i, p in enumerate(prompts)]
+    predicted = [family.run(family.tokens(f"p{i}", p, dataclasses.replace(GREEDY, prediction=_edited(w))))
+                 for i, (p, w) in enumerate(zip(prompts, want))]
+
+    async def together() -> list[list[int]]:
+        params = [dataclasses.replace(GREEDY, prediction=_edited(want[i % 3])) if i % 2 else GREEDY for i in range(6)]
+        return await asyncio.gather(*(family.tokens(f"b{i}", prompts[i % 3], params[i]) for i in range(6)))
+
+    batched = family.run(together())
+    assert alone == want and predicted == want
+    assert batched == [want[i % 3] for i in range(6)]
+    m = family.engine.metrics
+    assert m is not None and m0 is not None and m.spec_draft_tokens > m0.spec_draft_tokens
+    assert 0 < m.spec_accepted_tokens - m0.spec_accepted_tokens < m.spec_draft_tokens - m0.spec_draft_tokens
+
+
+# -- Gemma 4 in depth: grammars, logprobs, sampling, the image prefix cache ------------------
+
+@pytest.fixture(scope="module")
+def gemma4(gemma4_micro: Any) -> Iterator[Family]:
+    started = _start(gemma4_micro, speculative=NGRAM, mm_prefix_cache=True)
+    yield started
+    _stop(started)
+
+
+def _outputs(family: Family, request_id: str, prompt: PromptInputs, params: SamplingParams) -> Any:
+    return family.run(gather(family.engine.generate(request_id, prompt, params)))
+
+
+def test_logprobs_are_the_targets_with_drafts(gemma4: Family) -> None:
+    prompt = gemma4.prompt(TEXT)
+    params = dataclasses.replace(GREEDY, logprobs=True, top_logprobs=3)
+    want = gemma4.reference(prompt, GREEDY.max_tokens)
+    plain = _outputs(gemma4, "lp0", prompt, dataclasses.replace(params))
+    drafted = _outputs(gemma4, "lp1", prompt, dataclasses.replace(params, prediction=_edited(want)))
+    assert drafted.token_ids == plain.token_ids == want
+    for a, b in zip(plain.logprobs, drafted.logprobs):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_a_json_schema_row_drafts_within_its_grammar(gemma4: Family) -> None:
+    engine = gemma4.engine
+    guide = gemma4.run(engine.guide(_schema_spec()))
+    prompt = gemma4.prompt("Give me a shape as JSON.")
+    params = SamplingParams(max_tokens=40, guide=guide)
+    plain = _outputs(gemma4, "j0", prompt, params)
+    # A prediction that leaves the grammar after a few tokens: those tokens are drafted, the rest never
+    wrong = engine.prompter.tokenize('{"shape": "circle", "colour": "red"} and then some prose', False)
+    drafted = _outputs(gemma4, "j1", prompt, dataclasses.replace(params, prediction=tuple(wrong)))
+    assert plain.error is None and drafted.error is None and drafted.token_ids == plain.token_ids
+    assert drafted.text.startswith("{")  # the micro model writes JSON it may not finish in 40 tokens
+
+
+def _schema_spec() -> Any:
+    from vlmserve.preprocess.guided import GuideSpec
+    return GuideSpec("json_schema", {"type": "object", "properties": {"shape": {"type": "string"},
+                                                                     "colour": {"type": "string"}},
+                                     "required": ["shape", "colour"], "additionalProperties": False})
+
+
+def test_seeded_sampling_repeats_exactly_with_drafts(gemma4: Family) -> None:
+    prompt = gemma4.prompt(TEXT)
+    for seed in range(12):
+        params = SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=seed, ignore_eos=True)
+        plain = _outputs(gemma4, f"s{seed}", prompt, params).token_ids
+        again = _outputs(gemma4, f"t{seed}", prompt, dataclasses.replace(params, prediction=_edited(plain)))
+        assert again.token_ids == plain, f"seed {seed}"
+
+
+def test_a_two_turn_chat_about_a_picture_under_the_image_prefix_cache(gemma4: Family) -> None:
+    red = scene("circle", (220, 30, 30))
+    engine = gemma4.engine
+    first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "describe it"}]}]
+    turn1 = engine.prompter.build(first, [red])
+    reply1 = gemma4.reference(turn1, 8)
+    answer = engine.prompter.detokenize(reply1)
+    second = [*first, {"role": "assistant", "content": answer},
+              {"role": "user", "content": [{"type": "text", "text": "again, " + TEXT}]}]
+    turn2 = engine.prompter.build(second, [red])
+    want = gemma4.reference(turn2, GREEDY.max_tokens)
+    got1 = gemma4.run(gemma4.tokens("c1", turn1, dataclasses.replace(GREEDY, max_tokens=8, prediction=_edited(reply1))))
+    got2 = _outputs(gemma4, "c2", turn2, dataclasses.replace(GREEDY, prediction=_edited(want)))
+    assert got1 == reply1 and got2.token_ids == want
+    assert got2.num_cached_tokens > 0  # turn 2 reused turn 1's KV, picture included
