@@ -334,8 +334,9 @@ class ModelRunner:
     def _verify(self, drafts: dict[str, tuple[int, ...]], out: RunnerOutput) -> None:
         """Decode with drafts: every row's input and draft in one forward, read at once (engine/verify.py).
         Where no draft is left once the inputs are read (every guess was wrong), a plain decode step."""
-        earlier, rows = read_drafts(self.batch, drafts)
+        earlier, rows, missed = read_drafts(self.batch, drafts)
         out.samples.update(earlier)
+        out.verified.update(dict.fromkeys(missed, (1, 0)))
         if not any(rows):
             out.samples.update(self.decode(out.errors))
             out.unread.update(self.batch.request_ids)

@@ -77,7 +77,7 @@ class SpeculativeConfig:
 def lookup(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Prompt lookup: the ``k`` tokens after the most recent earlier occurrence of the last ``n``
     tokens of ``tokens``, for the longest ``n`` in ``[min_n, max_n]`` that occurs; [] when none does."""
-    if k < 1 or len(tokens) <= min_n:
+    if k < 1 or len(tokens) <= min_n or not _seen_before(tokens):
         return []
     array = np.asarray(tokens, dtype=np.int64)
     for n in range(min(max_n, len(array) - 1), min_n - 1, -1):
@@ -105,6 +105,18 @@ def follow_prediction(prediction: Sequence[int], output: Sequence[int], k: int, 
             after = int(starts[np.argmin(np.abs(starts + n - n_out))]) + n
             return [int(t) for t in array[after:after + k]]
     return []
+
+
+def _seen_before(tokens: Sequence[int]) -> bool:
+    """Whether the last token occurred earlier: no match can exist otherwise (a C-speed scan, so that
+    a row whose text does not repeat costs next to nothing a step)."""
+    if not isinstance(tokens, list):
+        return True
+    try:
+        tokens.index(tokens[-1], 0, len(tokens) - 1)
+    except ValueError:
+        return False
+    return True
 
 
 def _occurrences(array: np.ndarray, pattern: np.ndarray) -> np.ndarray:

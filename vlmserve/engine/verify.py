@@ -34,15 +34,19 @@ class Verified:
     counts: dict[str, tuple[int, int]]
 
 
-def read_drafts(batch: DecodeBatch, drafts: dict[str, tuple[int, ...]]) -> tuple[dict[str, Sample], list[tuple[int, ...]]]:
+def read_drafts(batch: DecodeBatch, drafts: dict[str, tuple[int, ...]]
+                ) -> tuple[dict[str, Sample], list[tuple[int, ...]], set[str]]:
     """Read the batch's unread inputs (the samples of the step before, returned), and each row's draft
-    that follows its input: where the plan guessed the input, what is left of the draft if it was right."""
+    that follows its input: where the plan guessed the input, what is left of the draft if it was right.
+    Also the rows whose guess was wrong: a draft token the target refused, though no forward verified it."""
     guessed = [u is not None for u in batch.unread]
     earlier = batch.read_unread()
     assert batch.tokens is not None
     inputs = cast(list[int], batch.tokens.tolist())
-    return earlier, [_draft(drafts.get(rid, ()), guess, token)
-                     for rid, guess, token in zip(batch.request_ids, guessed, inputs)]
+    rows = [_draft(drafts.get(rid, ()), guess, token) for rid, guess, token in zip(batch.request_ids, guessed, inputs)]
+    missed = {rid for rid, guess, token in zip(batch.request_ids, guessed, inputs)
+              if guess and drafts.get(rid) and drafts[rid][0] != token}
+    return earlier, rows, missed
 
 
 def verify(adapter: ModelAdapter, batch: DecodeBatch, rows: list[tuple[int, ...]], earlier: dict[str, Sample],
