@@ -334,18 +334,17 @@ class ModelRunner:
     def _verify(self, drafts: dict[str, tuple[int, ...]], out: RunnerOutput) -> None:
         """Decode with drafts: every row's input and draft in one forward, read at once (engine/verify.py).
         Where no draft is left once the inputs are read (every guess was wrong), a plain decode step."""
-        earlier, rows, missed = read_drafts(self.batch, drafts)
-        out.samples.update(earlier)
-        out.verified.update(dict.fromkeys(missed, (1, 0)))
-        if not any(rows):
+        step = read_drafts(self.batch, drafts)
+        out.verified.update(dict.fromkeys(step.missed, (1, 0)))
+        if not any(step.rows):
+            out.samples.update(step.earlier)
             out.samples.update(self.decode(out.errors))
             out.unread.update(self.batch.request_ids)
             return
-        verified = verify(self.adapter, self.batch, rows, earlier, out.errors)
-        for request_id, samples in verified.samples.items():
-            out.samples[request_id] = samples[0]
-            if len(samples) > 1:
-                out.more[request_id] = samples[1:]
+        verified = verify(self.adapter, self.batch, step, out.errors)
+        for request_id, picked in verified.samples.items():
+            tokens = [*([step.earlier[request_id]] if request_id in step.earlier else []), *picked]
+            out.samples[request_id], out.more[request_id] = tokens[0], tokens[1:]
         out.verified.update(verified.counts)
 
     def remove(self, request_ids: Iterable[str]) -> None:

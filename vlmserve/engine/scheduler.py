@@ -188,9 +188,9 @@ class Scheduler:
     def _propose(self, req: Request) -> list[int]:
         """``req``'s draft: its prediction's next tokens, else (ngram on) a prompt lookup. Where its
         newest token is still computing, one more token goes first: the guess at that one."""
+        assert self.drafts is not None
         p, config = req.params, self.config.speculative
-        k = (config.num_speculative_tokens if config is not None else self.drafts.config.num_speculative_tokens
-             if self.drafts is not None else 0)
+        k = self.drafts.config.num_speculative_tokens  # the server's, or the default for predictions
         done = len(req.output_token_ids) + req.unread
         room = min(p.max_tokens - done, req.max_context - req.num_prompt_tokens - done) - 1
         k = min(k, room) + req.unread

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
 
 import numpy as np
 
@@ -189,7 +188,3 @@ class DraftPolicy:
                 best, best_rate = w, rate
         return best
 
-
-def describe(config: SpeculativeConfig | None) -> dict[str, Any] | None:
-    """The config as /v1/models and logs show it."""
-    return None if config is None else {f.name: getattr(config, f.name) for f in fields(config)}

@@ -26,35 +26,46 @@ from vlmserve.engine.sampler import RowState, sample
 
 
 @dataclass(slots=True)
+class StepDrafts:
+    """A decode step's drafts once the batch's inputs are read: the samples of the step before that
+    were still unread (by row id), each row's input, and the draft that follows it (maybe none)."""
+
+    earlier: dict[str, Sample]
+    inputs: list[int]
+    rows: list[tuple[int, ...]]
+    missed: set[str]  # rows whose guess at their input was wrong: one draft token refused, no forward run
+
+
+@dataclass(slots=True)
 class Verified:
-    """What one verify step gave: per row, the samples in order (an unread one from the step before
-    first), and per drafted row (draft tokens verified, accepted)."""
+    """What one verify forward gave: per row, its tokens in order, and per drafted row (draft tokens
+    verified, accepted)."""
 
     samples: dict[str, list[Sample]]
     counts: dict[str, tuple[int, int]]
 
 
-def read_drafts(batch: DecodeBatch, drafts: dict[str, tuple[int, ...]]
-                ) -> tuple[dict[str, Sample], list[tuple[int, ...]], set[str]]:
-    """Read the batch's unread inputs (the samples of the step before, returned), and each row's draft
-    that follows its input: where the plan guessed the input, what is left of the draft if it was right.
-    Also the rows whose guess was wrong: a draft token the target refused, though no forward verified it."""
+def read_drafts(batch: DecodeBatch, drafts: dict[str, tuple[int, ...]]) -> StepDrafts:
+    """Read the batch's unread inputs, and keep of each row's planned draft what follows its input:
+    where the plan guessed the input (pipelined decode), the rest of the draft if the guess was right."""
     guessed = [u is not None for u in batch.unread]
     earlier = batch.read_unread()
     assert batch.tokens is not None
     inputs = cast(list[int], batch.tokens.tolist())
-    rows = [_draft(drafts.get(rid, ()), guess, token) for rid, guess, token in zip(batch.request_ids, guessed, inputs)]
-    missed = {rid for rid, guess, token in zip(batch.request_ids, guessed, inputs)
-              if guess and drafts.get(rid) and drafts[rid][0] != token}
-    return earlier, rows, missed
+    out = StepDrafts(earlier, inputs, [], set())
+    for rid, guess, token in zip(batch.request_ids, guessed, inputs):
+        planned = drafts.get(rid, ())
+        if guess and planned and planned[0] != token:
+            out.missed.add(rid)
+        out.rows.append(planned if not guess else planned[1:] if rid not in out.missed else ())
+    return out
 
 
-def verify(adapter: ModelAdapter, batch: DecodeBatch, rows: list[tuple[int, ...]], earlier: dict[str, Sample],
-           errors: dict[str, str]) -> Verified:
-    """Verify each row's draft (``rows``, from ``read_drafts``) in one forward; a guided row whose
-    grammar refuses its input lands in ``errors``, as in decode."""
-    assert batch.cache is not None and batch.tokens is not None
-    inputs = cast(list[int], batch.tokens.tolist())
+def verify(adapter: ModelAdapter, batch: DecodeBatch, drafts: StepDrafts, errors: dict[str, str]) -> Verified:
+    """Verify each row's draft in one forward; a guided row whose grammar refuses its input lands in
+    ``errors``, as in decode."""
+    assert batch.cache is not None
+    inputs, rows = drafts.inputs, drafts.rows
     if guided.guided(batch.sampling):
         refused = guided.consume(batch.sampling, inputs)
         errors.update({batch.request_ids[i]: why for i, why in refused.items()})
@@ -70,17 +81,8 @@ def verify(adapter: ModelAdapter, batch: DecodeBatch, rows: list[tuple[int, ...]
     adapter.commit(transaction, batch.cache, accepted, width)
     guided.roll_back(batch.sampling, [len(d) - a for d, a in zip(rows, accepted)])
     batch.set_inputs([p[-1].token_id for p in picked])
-    samples = {rid: [*([earlier[rid]] if rid in earlier else []), *p] for rid, p in zip(batch.request_ids, picked)}
     counts = {rid: (len(d), a) for rid, d, a in zip(batch.request_ids, rows, accepted) if d}
-    return Verified(samples, counts)
-
-
-def _draft(planned: tuple[int, ...], guess: bool, token: int) -> tuple[int, ...]:
-    """The draft that follows the row's input: where the plan's first token guessed that input, the
-    rest if the guess was right, else nothing."""
-    if not guess:
-        return planned
-    return planned[1:] if planned and planned[0] == token else ()
+    return Verified(dict(zip(batch.request_ids, picked)), counts)
 
 
 def _pick(logits: mx.array, sampling: list[RowState], inputs: list[int],
