@@ -44,7 +44,8 @@ def test_a_prediction_gives_the_same_answer_and_its_usage(spec_server):
     close = _caption(client, prediction={"type": "content", "content": "A red circle, a green triangle and a yellow star."})
     assert plain.choices[0].message.content == close.choices[0].message.content == CAPTION
     details = close.usage.completion_tokens_details
-    assert details.accepted_prediction_tokens > 0  # "A red circle, a" at least
+    # OpenAI's sense: of the prediction's tokens, those the answer kept and the rest ("green" at least)
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens > 0
     assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
     assert close.usage.completion_tokens == plain.usage.completion_tokens
 

@@ -82,10 +82,10 @@ def test_acceptance_forgets_and_counts_the_prediction() -> None:
     a = Acceptance()
     for _ in range(20):
         a.record(4, 0, from_prediction=True)
-    assert a.rate < 0.1 and (a.prediction_drafted, a.prediction_accepted) == (80, 0)
+    assert a.rate < 0.1 and a.prediction_accepted == 0
     for _ in range(20):
         a.record(4, 4, from_prediction=False)
-    assert a.rate > 0.8 and a.prediction_drafted == 80
+    assert a.rate > 0.8 and a.prediction_accepted == 0  # these drafts were not the prediction's
 
 
 @pytest.mark.parametrize("text", ['{"method": "mtp", "model": "x"}', '{"method": "eagle3"}', '{"method": "ngram", '
@@ -134,7 +134,7 @@ def test_a_verified_draft_gives_its_tokens_in_order_up_to_the_end() -> None:
     updates = scheduler.update_from_output(plan, out)
     assert [u.token_id for u in updates] == [5, 6, 7]  # max_tokens 4: the target's 8 is past the end
     assert req.output_token_ids == [5, 5, 6, 7] and updates[-1].finish is not None
-    assert req.prediction_usage == (2, 0)
+    assert req.prediction_usage == (2, 3)  # of its 5 tokens, 2 were drafted and kept
 
 
 def test_no_drafts_where_the_runner_cannot_verify() -> None:
@@ -250,3 +250,34 @@ def test_a_two_turn_chat_about_a_picture_under_the_image_prefix_cache(gemma4: Fa
     got2 = _outputs(gemma4, "c2", turn2, dataclasses.replace(GREEDY, prediction=_edited(want)))
     assert got1 == reply1 and got2.token_ids == want
     assert got2.num_cached_tokens > 0  # turn 2 reused turn 1's KV, picture included
+
+
+def test_drafts_across_the_sliding_window(family: Family) -> None:
+    """Gemma's sliding-window layers keep only their window: a verify that writes past it is rolled
+    back and its accepted KV replayed (mlx-vlm's rotating-cache transaction), alone and batched with a
+    row that crosses the window at another step."""
+    window = getattr(getattr(family.engine.loaded.model.config, "text_config", None), "sliding_window", None)
+    if family.arch not in ("gemma3", "gemma4") or not isinstance(window, int):
+        pytest.skip("no sliding-window layers")
+    params = dataclasses.replace(GREEDY, max_tokens=40)
+    prompts = [_prompt_of_length(family, window - 6), _prompt_of_length(family, window - 20)]  # the outputs cross it
+    want = [family.reference(p, params.max_tokens) for p in prompts]
+
+    async def together() -> list[list[int]]:
+        return await asyncio.gather(*(family.tokens(f"w{i}", p, dataclasses.replace(params, prediction=_edited(w)))
+                                      for i, (p, w) in enumerate(zip(prompts, want))))
+
+    assert family.run(family.tokens("w", prompts[0], dataclasses.replace(params, prediction=_edited(want[0])))) == want[0]
+    assert family.run(together()) == want
+
+
+def _prompt_of_length(family: Family, tokens: int) -> PromptInputs:
+    """A text prompt of about ``tokens`` tokens (within 6)."""
+    words = [f"word{i % 50}" for i in range(tokens)]
+    lo, hi = 1, len(words)
+    while lo < hi:  # the most words whose prompt fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if len(family.prompt(" ".join(words[:mid]))) <= tokens else (lo, mid - 1)
+    prompt = family.prompt(" ".join(words[:lo]))
+    assert tokens - 6 <= len(prompt) <= tokens, len(prompt)
+    return prompt

@@ -146,10 +146,10 @@ class Request:
 
     @property
     def prediction_usage(self) -> tuple[int, int]:
-        """OpenAI's accepted and rejected prediction tokens: its prediction's drafted tokens the output
-        kept and those it did not (0, 0 without a prediction)."""
-        a = self.acceptance
-        return a.prediction_accepted, a.prediction_drafted - a.prediction_accepted
+        """OpenAI's accepted and rejected prediction tokens: its prediction's tokens the output kept (as
+        verified drafts), and the rest of them (0, 0 without a prediction)."""
+        kept = min(self.acceptance.prediction_accepted, len(self.params.prediction))
+        return kept, len(self.params.prediction) - kept
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

@@ -130,12 +130,11 @@ def _occurrences(array: np.ndarray, pattern: np.ndarray) -> np.ndarray:
 @dataclass(slots=True)
 class Acceptance:
     """One request's record of its drafts: a decaying count of draft tokens offered and accepted
-    (the policy's estimate of the chance its next draft token is right), and the totals of those
-    drawn from its prediction (OpenAI's usage)."""
+    (the policy's estimate of the chance its next draft token is right), and how many of its
+    prediction's tokens it kept (OpenAI's usage)."""
 
     accepted: float = PRIOR_ACCEPTED
     drafted: float = PRIOR_DRAFTED
-    prediction_drafted: int = 0
     prediction_accepted: int = 0
 
     @property
@@ -150,7 +149,6 @@ class Acceptance:
         self.accepted = _FORGET * self.accepted + accepted
         self.drafted = _FORGET * self.drafted + accepted + (accepted < drafted)
         if from_prediction:
-            self.prediction_drafted += drafted
             self.prediction_accepted += accepted
 
 
