@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -281,3 +283,33 @@ def _prompt_of_length(family: Family, tokens: int) -> PromptInputs:
     prompt = family.prompt(" ".join(words[:lo]))
     assert tokens - 6 <= len(prompt) <= tokens, len(prompt)
     return prompt
+
+
+def test_sampled_tokens_at_drafted_positions_follow_the_target_distribution(gemma4: Family) -> None:
+    """top_k 4 at temperature 1 leaves four tokens to sample from. The second token is sampled where a
+    draft (the target's second most likely token) is verified: over 320 seeds, given the first token
+    was the likeliest, its frequencies match the target's distribution there (chi-square, 3 degrees of
+    freedom, below the 0.1% critical value 16.27)."""
+    prompt = gemma4.prompt(TEXT)
+    scored = _outputs(gemma4, "dist", prompt, SamplingParams(max_tokens=2, logprobs=True, top_logprobs=4,
+                                                             ignore_eos=True))
+    first, second = scored.token_ids[0], scored.logprobs[1].top  # greedy: the likeliest first token
+    target = {token: math.exp(lp) for token, lp in second}
+    total = sum(target.values())
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True,
+                            prediction=(first, second[1][0], second[0][0]))
+
+    async def sampled() -> list[list[int]]:
+        runs = []
+        for start in range(0, 320, 8):  # a batch at a time: every row verifies its draft in the same forward
+            runs += await asyncio.gather(*(gemma4.tokens(f"d{seed}", prompt, dataclasses.replace(params, seed=seed))
+                                           for seed in range(start, start + 8)))
+        return runs
+
+    runs = [r for r in gemma4.run(sampled()) if r[0] == first]
+    counts = Counter(r[1] for r in runs)
+    assert set(counts) <= set(target) and len(runs) > 60, (counts, len(runs))
+    chi2 = sum((counts[t] - len(runs) * p / total) ** 2 / (len(runs) * p / total) for t, p in target.items())
+    assert chi2 < 16.27, (chi2, counts, {t: p / total for t, p in target.items()})
+    m = gemma4.engine.metrics
+    assert m is not None and m.spec_drafts > 0
