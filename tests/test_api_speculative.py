@@ -64,6 +64,19 @@ def test_a_streamed_prediction_and_the_spec_decode_counters(spec_server):
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="demo-gemma4",position="0"}' in metrics
 
 
+def test_completions_take_a_prediction_too(spec_server):
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    ids = httpx.post(spec_server.url + "/tokenize", json={  # a chat prompt, as token ids
+        "model": "demo-gemma4", "messages": [{"role": "user", "content": "Describe a red circle."}]}).json()["tokens"]
+    args = dict(model="demo-gemma4", prompt=ids, max_tokens=30, temperature=0)
+    plain = client.completions.create(**args)
+    prediction = {"type": "content", "content": plain.choices[0].text}
+    guessed = client.completions.create(**args, extra_body={"prediction": prediction})
+    assert guessed.choices[0].text == plain.choices[0].text == "Hello! Show me a picture and I will describe it."
+    details = guessed.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+
+
 def test_a_bad_prediction_is_a_400(spec_server):
     r = httpx.post(spec_server.url + "/v1/chat/completions", json={
         "model": "demo-gemma4", "messages": [{"role": "user", "content": "hi"}],

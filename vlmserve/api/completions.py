@@ -46,6 +46,7 @@ from vlmserve.api.chat import (
 )
 from vlmserve.api.errors import APIError, bad_request
 from vlmserve.api.messages import sampling_params
+from vlmserve.api.openai_format import PREDICTION_USAGE
 from vlmserve.api.schemas import SamplingFields
 from vlmserve.api.state import ServedModel, ServerState
 from vlmserve.engine.params import PromptInputs, SamplingParams
@@ -80,6 +81,7 @@ class Choice:
     top_logprobs: list[dict[str, float] | None] = dataclasses.field(default_factory=list)
     text_offset: list[int] = dataclasses.field(default_factory=list)
     completion_tokens: int = 0
+    prediction: tuple[int, int] = (0, 0)  # OpenAI's accepted and rejected prediction tokens
     fork: bool = False  # n > 1: a further choice of the prompt before it (its prompt is counted once)
 
 
@@ -247,6 +249,7 @@ async def _run_one(request_id: str, choice: Choice, stream: AsyncGenerator[Reque
             logprobs = _logprobs(choice, out, tokenizer) if params.logprobs else None
             choice.text += delta
             choice.completion_tokens = out.num_completion_tokens
+            choice.prediction = (out.accepted_prediction_tokens, out.rejected_prediction_tokens)
             if out.finished:
                 choice.finish_reason = "length" if out.finish_reason == "length" else "stop"
             if updates is not None and (delta or logprobs or out.finished):
@@ -334,10 +337,12 @@ def _choice_logprobs(choice: Choice) -> dict[str, Any]:
             "text_offset": choice.text_offset}
 
 
-def _usage(choices: list[Choice]) -> dict[str, int]:
+def _usage(choices: list[Choice]) -> dict[str, Any]:
     prompt = sum(len(c.prompt_ids) for c in choices if not c.fork)  # n > 1: each prompt prefilled once
     completion = sum(c.completion_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    details = {name: sum(c.prediction[i] for c in choices) for i, name in enumerate(PREDICTION_USAGE)}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "completion_tokens_details": details}
 
 
 async def _stream(request_id: str, created: int, served: ServedModel, choices: list[Choice],
