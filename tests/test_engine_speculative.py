@@ -76,6 +76,10 @@ def test_the_policy_drafts_only_where_it_pays() -> None:
     assert policy.width([0.1], [6], rows=1) == 0
     # and a batch of 8, of which one row has a draft, pays 8 rows' width for it: none.
     assert policy.width([0.9], [6], rows=8) == 0
+    # A step read at once costs more than a pipelined one: a middling draft no longer pays for it
+    assert policy.width([0.5], [6], rows=1) == 1
+    policy.sync_step_s = 0.015
+    assert policy.width([0.5], [6], rows=1) == 0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert DraftPolicy(SpeculativeConfig(adaptive=False), 1.0, 0.01).width([0.0], [3], rows=8) == 3
 

@@ -127,7 +127,7 @@ class EngineCore:
     def measure_costs(self, prompt: PromptInputs) -> StepCosts:
         """Probe what a prompt token and a decode step cost here (engine/costs.py), once, at start-up."""
         self.worker.assert_on_worker()
-        self.costs.prompt_token_s, self.costs.decode_step_s = measure_costs(self.runner, prompt)
+        self.costs.prompt_token_s, self.costs.decode_step_s, self.costs.sync_step_s = measure_costs(self.runner, prompt)
         return self.costs
 
     def reset_caches(self) -> None:
@@ -158,8 +158,7 @@ class EngineCore:
             self.scheduler.stream_tokens = self.costs.stream_tokens()
             self.scheduler.pixel_tokens = self.costs.pixel_tokens()
         if self.scheduler.drafts is not None:
-            self.scheduler.drafts.prompt_token_s = self.costs.prompt_token_s
-            self.scheduler.drafts.decode_step_s = self.costs.decode_step_s
+            self.scheduler.drafts.measured(self.costs)
         plan = self.scheduler.schedule()
         output = self.runner.execute(plan)
         self._apply(plan, output, self.scheduler.update_from_output(plan, output))

@@ -31,6 +31,7 @@ class StepCosts:
     ceiling: int  # and at most (the idle budget)
     prompt_token_s: float = 0.0
     decode_step_s: float = 0.0
+    sync_step_s: float = 0.0  # a decode step read at once (not pipelined), as a verify step is: probed once
     pixel_s: float = 0.0  # the vision tower's seconds per pixel value (running average)
 
     def observe(self, seconds: float, prompt_tokens: float, vision_s: float) -> None:
@@ -59,24 +60,29 @@ def _average(mean: float, value: float) -> float:
     return value if not mean else (1 - _AVERAGE) * mean + _AVERAGE * value
 
 
-def measure_costs(runner: Any, prompt: PromptInputs, decode_steps: int = 6) -> tuple[float, float]:
-    """Seconds per prompt token and per decode step (batch 1) on an idle runner (a ModelRunner):
-    ``prompt``'s tokens repeated to ``PROBE_TOKENS``, prefilled whole, then a few decode steps."""
+def measure_costs(runner: Any, prompt: PromptInputs, decode_steps: int = 6) -> tuple[float, float, float]:
+    """Seconds per prompt token, per decode step and per decode step read at once (batch 1) on an idle
+    runner (a ModelRunner): ``prompt``'s tokens repeated to ``PROBE_TOKENS``, prefilled whole, then a
+    few decode steps pipelined, then as many read as they end (what a step that verifies drafts pays)."""
     assert not runner.batch, "measure costs on an idle runner"
     ids = (prompt.input_ids * (PROBE_TOKENS // max(1, len(prompt.input_ids)) + 1))[:PROBE_TOKENS]
     probe = "cost-probe"
-    new = NewRequest(probe, PromptInputs(ids), SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True))
+    new = NewRequest(probe, PromptInputs(ids), SamplingParams(max_tokens=2 * decode_steps + 1, ignore_eos=True))
     try:
         _checked(runner.execute(SchedulerOutput(new=[new], encode=[EncodeChunk(probe)])))
         start = time.perf_counter()
         _checked(runner.execute(SchedulerOutput(prefill=[PrefillChunk(probe, 0, len(ids))])))
         prompt_token_s = (time.perf_counter() - start) / len(ids)
-        steps = []
-        for _ in range(decode_steps):
+        steps: list[float] = []
+        synced: list[float] = []
+        for i in range(2 * decode_steps):
             start = time.perf_counter()
             _checked(runner.execute(SchedulerOutput(decode=[probe])))
-            steps.append(time.perf_counter() - start)
-        return prompt_token_s, statistics.median(steps[1:])  # the first only dispatches (pipelined decode)
+            if i >= decode_steps:
+                runner.batch.read_unread()
+            (steps if i < decode_steps else synced).append(time.perf_counter() - start)
+        # the first only dispatches (pipelined decode)
+        return prompt_token_s, statistics.median(steps[1:]), statistics.median(synced[1:])
     finally:
         runner.execute(SchedulerOutput(finished=[probe]))
 

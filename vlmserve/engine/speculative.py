@@ -21,8 +21,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from vlmserve.engine.costs import StepCosts
 
 METHODS = ("ngram",)
 # Named by vLLM and mlx_vlm.server, and not run here (yet): refused at start-up, in one line.
@@ -163,14 +167,21 @@ def expected_tokens(rate: float, k: int) -> float:
 class DraftPolicy:
     """How wide this step's verify is: the width that makes the most tokens per second of step.
 
-    A step of ``B`` rows costs a decode step plus, for a verify ``w`` positions wider, ``B * w`` prompt
-    tokens' time (every row goes the same width: ragged drafts are padded). A row with a draft of
-    ``k`` tokens yields ``expected_tokens(rate, min(k, w))``; a row without one yields 1.
+    A step of ``B`` rows costs a decode step, pipelined. A verify ``w`` positions wider is read at
+    once (the next inputs are known only then), so it costs a step read at once plus ``B * w`` prompt
+    tokens' time (every row goes the same width: ragged drafts are padded). A row with a draft of ``k``
+    tokens yields ``expected_tokens(rate, min(k, w))``; a row without one yields 1.
     """
 
     config: SpeculativeConfig
     prompt_token_s: float = 0.0  # measured (engine/costs.py); 0: not yet, every draft goes
     decode_step_s: float = 0.0
+    sync_step_s: float = 0.0
+
+    def measured(self, costs: StepCosts) -> None:
+        """Take the engine's measured costs."""
+        self.prompt_token_s, self.decode_step_s = costs.prompt_token_s, costs.decode_step_s
+        self.sync_step_s = max(costs.sync_step_s, costs.decode_step_s)
 
     def width(self, rates: Sequence[float], drafts: Sequence[int], rows: int) -> int:
         """The step's draft width for the ``rows`` decoding rows, of which the drafted ones have
@@ -178,11 +189,11 @@ class DraftPolicy:
         longest = min(max(drafts, default=0), self.config.num_speculative_tokens)
         if not self.config.adaptive or longest == 0 or self.prompt_token_s <= 0 or self.decode_step_s <= 0:
             return longest
+        synced = max(self.sync_step_s, self.decode_step_s)
         best, best_rate = 0, rows / self.decode_step_s
         for w in range(1, longest + 1):
             tokens = rows - len(drafts) + sum(expected_tokens(r, min(k, w)) for r, k in zip(rates, drafts))
-            rate = tokens / (self.decode_step_s + rows * w * self.prompt_token_s)
+            rate = tokens / (synced + rows * w * self.prompt_token_s)
             if rate > best_rate:
                 best, best_rate = w, rate
         return best
-
