@@ -1,16 +1,20 @@
-"""Speculative decoding against none, in one run, on the same engine code: tokens/s per workload and
-concurrency, the ratio, and the draft acceptance (engine/speculative.py).
+"""[main] Speculative decoding against none, in one run, on the same engine code: tokens/s per
+workload and concurrency, the ratio, and the draft acceptance (engine/speculative.py).
 
-Workloads, on the demo model (a Gemma 4 trained here, so its drafts are accepted as a real model's
-would be) unless ``--model`` says otherwise:
-- ``copy``: the caption of a picture, with the right caption as the request's prediction;
-- ``edit``: the same, with a prediction that has one word wrong (a colour);
-- ``free``: the caption with no prediction: ngram lookups only.
+Two model kinds:
+- ``--model real`` (default): SmolLM2-135M-Instruct's real weights in a SmolVLM
+  (``benchmarks/real_weights.py``), text workloads: ``copy`` (repeat a passage: ngram drafts),
+  ``edit`` (rewrite a JSON object with one value changed, the original as the ``prediction``) and
+  ``free`` (a story: ngram drafts, which rarely match);
+- ``--model demo``: the demo model's caption of ``assets/example.png``, with the right caption as the
+  prediction (``copy``), one colour wrong (``edit``), or none (``free``).
 
-Each cell runs ``--rounds`` rounds of ``c`` concurrent requests through ``AsyncEngine`` (no HTTP),
-greedy; the answers with and without drafts are checked equal.
+Each cell runs ``--rounds`` rounds of ``c`` concurrent greedy requests through ``AsyncEngine`` (no
+HTTP); the answers with and without speculation are checked equal. Float32 weights want OpenBLAS
+(``LD_PRELOAD``, see vlmserve/blas.py); the program restarts itself under it when it is installed,
+unless ``VLMSERVE_NO_OPENBLAS`` is set.
 
-    python benchmarks/spec_bench.py [--model DIR] [--concurrency 1,4,8] [--rounds 3] [--out DIR]
+    python benchmarks/spec_bench.py [--model real|demo|DIR] [--concurrency 1,4,8] [--rounds 2] [--out DIR]
 """
 
 from __future__ import annotations
@@ -19,94 +23,181 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
-from tqdm import tqdm
 
+from vlmserve.blas import find_openblas, openblas_preloaded
 from vlmserve.config import DEMO_MODEL_DIR
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.speculative import SpeculativeConfig
 from vlmserve.frontend.async_engine import AsyncEngine
+from vlmserve.progress import progress
 
 ROOT = Path(__file__).resolve().parent.parent
-QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}]
+PASSAGE = ("The lighthouse stood on the northern cliff for two hundred years. Every night its keeper climbed the "
+           "ninety steps, trimmed the wick and wound the clockwork that turned the great lens. Ships passing in "
+           "the dark saw its beam sweep the water once every ten seconds, and knew where the rocks were.")
+RECORD = json.dumps({"name": "Ada Lovelace", "born": 1815, "city": "London", "fields": ["mathematics", "computing"],
+                     "notes": "wrote the first published algorithm for a machine"}, indent=1)
 
 
-async def _one(engine: AsyncEngine, rid: str, image: Image.Image, params: SamplingParams) -> list[int]:
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    messages: list[dict[str, Any]]
+    images: list[Image.Image]
+    prediction: str | None  # None: drafts from prompt lookup only
+
+
+def _text(prompt: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
+
+
+def real_workloads() -> list[Workload]:
+    return [Workload("copy", _text(f"Repeat the following passage word for word.\n\n{PASSAGE}"), [], None),
+            Workload("edit", _text(f"Here is a JSON object:\n{RECORD}\nWrite it again with the city changed to "
+                                   "Paris. Answer with the JSON only."), [], RECORD),
+            Workload("free", _text("Write a short story about a lighthouse keeper and a storm."), [], None)]
+
+
+def demo_workloads(caption: str) -> list[Workload]:
+    image = Image.open(ROOT / "assets" / "example.png").convert("RGB")
+    ask = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}]
+    edited = caption.replace("red", "green", 1)
+    return [Workload("copy", ask, [image], caption), Workload("edit", ask, [image], edited),
+            Workload("free", ask, [image], None)]
+
+
+async def _one(engine: AsyncEngine, rid: str, work: Workload, params: SamplingParams) -> list[int]:
     tokens: list[int] = []
-    async for out in engine.generate_chat(rid, QUESTION, [image], None, params):
+    async for out in engine.generate_chat(rid, work.messages, work.images, None, params):
         assert out.error is None, out.error
         tokens += out.token_ids
     return tokens
 
 
-async def _cell(engine: AsyncEngine, image: Image.Image, params: SamplingParams, c: int, rounds: int) -> dict[str, Any]:
+async def _cell(engine: AsyncEngine, work: Workload, params: SamplingParams, c: int, rounds: int) -> dict[str, Any]:
     before = await engine.stats()
-    start, tokens, outputs = time.perf_counter(), 0, []
+    start, outputs = time.perf_counter(), []
     for r in range(rounds):
-        outs = await asyncio.gather(*(_one(engine, f"{r}-{i}-{time.monotonic_ns()}", image, params) for i in range(c)))
-        tokens += sum(len(o) for o in outs)
-        outputs += outs
+        outputs += await asyncio.gather(*(_one(engine, f"{work.name}-{r}-{i}-{time.monotonic_ns()}", work, params)
+                                          for i in range(c)))
     seconds = time.perf_counter() - start
     after = await engine.stats()
     drafted = after.spec_draft_tokens - before.spec_draft_tokens
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-    return {"tok_s": tokens / seconds, "tokens": tokens, "drafted": drafted, "accepted": accepted,
-            "acceptance": accepted / drafted if drafted else None, "outputs": outputs}
+    return {"tok_s": sum(len(o) for o in outputs) / seconds, "tokens": sum(len(o) for o in outputs) // len(outputs),
+            "drafted": drafted, "acceptance": accepted / drafted if drafted else None, "outputs": outputs}
 
 
-async def main(args: argparse.Namespace) -> None:
-    image = Image.open(ROOT / "assets" / "example.png").convert("RGB")
-    levels = [int(c) for c in args.concurrency.split(",")]
-    spec = SpeculativeConfig(num_speculative_tokens=args.k)
-    results: dict[str, dict[str, Any]] = {}
-    for label, config in (("off", None), ("ngram", spec)):
-        engine = AsyncEngine(args.model, config=EngineConfig(max_batch_size=max(levels), speculative=config,
-                                                             prefix_cache=False, vision_cache_bytes=0))
-        await engine.start()
-        try:
-            greedy = SamplingParams(max_tokens=64)
-            caption = engine.prompter.detokenize(await _one(engine, "probe", image, greedy))
-            edited = caption.replace("red", "green", 1) if "red" in caption else caption[:-2]
-            workloads = {"copy": caption, "edit": edited, "free": None}
-            for name, text in workloads.items():
-                params = greedy
-                if text is not None and label != "off":
-                    ids = engine.prompter.tokenize(text, add_special_tokens=False)
-                    params = dataclasses.replace(greedy, prediction=tuple(ids))
-                for c in tqdm(levels, desc=f"{label} {name}"):
-                    results[f"{label}/{name}/{c}"] = await _cell(engine, image, params, c, args.rounds)
-        finally:
-            await engine.shutdown()
+async def _run(args: argparse.Namespace, model: str, label: str, spec: SpeculativeConfig | None,
+               levels: list[int]) -> dict[str, dict[str, Any]]:
+    engine = AsyncEngine(model, config=EngineConfig(max_batch_size=max(levels), speculative=spec, dtype=args.dtype,
+                                                    prefix_cache=False, vision_cache_bytes=0))
+    await engine.start()
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens)
+        if args.model == "demo":
+            probe = demo_workloads("")[2]
+            workloads = demo_workloads(engine.prompter.detokenize(await _one(engine, "probe", probe, params)))
+        else:
+            workloads = real_workloads()
+        workloads = [w for w in workloads if w.name in args.workloads.split(",")]
+        cells = {}
+        with progress(desc=f"{label}: workloads x concurrency", total=len(workloads) * len(levels)) as bar:
+            for work in workloads:
+                cell_params = params
+                if work.prediction is not None and spec is not None:
+                    ids = engine.prompter.tokenize(work.prediction, add_special_tokens=False)
+                    cell_params = dataclasses.replace(params, prediction=tuple(ids))
+                for c in levels:
+                    cells[f"{work.name}/{c}"] = await _cell(engine, work, cell_params, c, args.rounds)
+                    bar.update()
+        return cells
+    finally:
+        await engine.shutdown()
+
+
+def _rows(off: dict[str, dict[str, Any]], spec: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    for key, spec_cell in results.items():
-        label, name, c = key.split("/")
-        if label == "off":
-            continue
-        base = results[f"off/{name}/{c}"]
-        assert spec_cell.pop("outputs") == base["outputs"], f"{name} c={c}: drafts changed the answers"
-        rows.append({"workload": name, "c": int(c), "tok_s_off": round(base["tok_s"], 1),
-                     "tok_s_spec": round(spec_cell["tok_s"], 1), "ratio": round(spec_cell["tok_s"] / base["tok_s"], 2),
-                     "acceptance": spec_cell["acceptance"] and round(spec_cell["acceptance"], 3),
-                     "drafted": spec_cell["drafted"]})
-    print("| workload | c | tok/s off | tok/s spec | ratio | acceptance | draft tokens |")
-    print("|---|---|---|---|---|---|---|")
+    for key, cell in spec.items():
+        base = off[key]
+        name, c = key.split("/")
+        assert cell.pop("outputs") == base.pop("outputs"), f"{key}: speculation changed the answers"
+        rows.append({"workload": name, "c": int(c), "tokens": cell["tokens"], "tok_s_off": round(base["tok_s"], 1),
+                     "tok_s_spec": round(cell["tok_s"], 1), "ratio": round(cell["tok_s"] / base["tok_s"], 2),
+                     "acceptance": None if cell["acceptance"] is None else round(cell["acceptance"], 3),
+                     "drafted": cell["drafted"]})
+    return rows
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plot: pip install matplotlib)")
+        return
+    names = sorted({r["workload"] for r in rows}, key=[r["workload"] for r in rows].index)
+    levels = sorted({r["c"] for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for i, c in enumerate(levels):
+        ratios = [next(r["ratio"] for r in rows if r["workload"] == n and r["c"] == c) for n in names]
+        ax.bar([j + i * 0.8 / len(levels) for j in range(len(names))], ratios, 0.8 / len(levels), label=f"c={c}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - 0.4 / len(levels) for j in range(len(names))], names)
+    ax.set_ylabel("tok/s, speculation / none")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="real", help="real, demo, or a model directory (text workloads)")
+    parser.add_argument("--concurrency", default="1,4,8")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--workloads", default="copy,edit,free")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    library = find_openblas()
+    if library is not None and not openblas_preloaded() and not os.environ.get("VLMSERVE_NO_OPENBLAS"):
+        env = {**os.environ, "LD_PRELOAD": library}  # float32 matmuls ~28x faster (vlmserve/blas.py)
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if args.model == "real":
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from real_weights import build_smolvlm_smollm2
+        model = str(build_smolvlm_smollm2())
+    else:
+        model = str(DEMO_MODEL_DIR) if args.model == "demo" else args.model
+    levels = [int(c) for c in args.concurrency.split(",")]
+    off = asyncio.run(_run(args, model, "no speculation", None, levels))
+    spec = asyncio.run(_run(args, model, "ngram", SpeculativeConfig(num_speculative_tokens=args.k), levels))
+    rows = _rows(off, spec)
+    print(f"model {Path(model).name}, dtype {args.dtype}, BLAS: {'OpenBLAS' if openblas_preloaded() else 'reference'}")
+    print("| workload | c | tokens | tok/s off | tok/s spec | ratio | acceptance | draft tokens |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']} | {r['c']} | {r['tok_s_off']} | {r['tok_s_spec']} | {r['ratio']}x | "
-              f"{r['acceptance'] if r['acceptance'] is not None else '-'} | {r['drafted']} |")
+        acceptance = "-" if r["acceptance"] is None else r["acceptance"]
+        print(f"| {r['workload']} | {r['c']} | {r['tokens']} | {r['tok_s_off']} | {r['tok_s_spec']} | {r['ratio']}x | "
+              f"{acceptance} | {r['drafted']} |")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "spec_bench.json").write_text(json.dumps(rows, indent=1))
+    name = Path(model).name
+    (args.out / f"spec_bench-{name}.json").write_text(json.dumps(rows, indent=1))
+    _plot(rows, args.out / f"spec_bench-{name}.png", f"speculative decoding, {name}")
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(DEMO_MODEL_DIR))
-    parser.add_argument("--concurrency", default="1,4,8")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    asyncio.run(main(parser.parse_args()))
+    main()
