@@ -62,6 +62,8 @@ def test_a_streamed_prediction_and_the_spec_decode_counters(spec_server):
     assert counters["vllm:spec_decode_num_drafts_total"] > 0
     assert 0 < counters["vllm:spec_decode_num_accepted_tokens_total"] <= counters["vllm:spec_decode_num_draft_tokens_total"]
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="demo-gemma4",position="0"}' in metrics
+    assert "speculative decoding with ngram drafts (up to 4 tokens, lookup 2-4), drafting whatever it costs" \
+        in spec_server.log
 
 
 def test_completions_take_a_prediction_too(spec_server):

@@ -166,10 +166,24 @@ class AsyncEngine:
         log.info("model %s: a prompt token costs %.2f ms, a decode step %.1f ms: %d prompt tokens per step while "
                  "requests decode", self.name, costs.prompt_token_s * 1e3, costs.decode_step_s * 1e3,
                  costs.stream_tokens())
+        self._log_speculation()
         if self.config.mm_prefix_cache and not self.loaded.adapter.mm_prefix_exact:
             log.info("model %s (%s): --mm-prefix-cache is off for this family: reusing an image prompt's cached "
                      "prefix is not proven exact here", self.name,
                      self.loaded.model_type)
+
+    def _log_speculation(self) -> None:
+        """Say whether drafts are verified here, and why not where they are not."""
+        assert self.core is not None and self.loaded is not None
+        spec = self.config.speculative
+        if self.core.scheduler.drafts is None:
+            why = "across pipeline ranks" if self.config.pipeline else f"for this family ({self.loaded.model_type})"
+            log.info("model %s: speculative decoding is off %s: ngram drafts and requests' predictions are unused",
+                     self.name, why)
+        elif spec is not None:
+            log.info("model %s: speculative decoding with ngram drafts (up to %d tokens, lookup %d-%d)%s", self.name,
+                     spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                     "" if spec.adaptive else ", drafting whatever it costs")
 
     def _load(self) -> LoadedModel:
         self.worker.assert_on_worker()
