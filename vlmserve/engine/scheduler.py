@@ -178,7 +178,11 @@ class Scheduler:
         """Each decoding row's draft this step, all cut to the width the policy finds pays (maybe none)."""
         if self.drafts is None:
             return {}
-        proposed = {r.request_id: (r, d) for r in decoding if (d := self._propose(r))}
+        # Without ngram only predictions draft: most steps have none to look at
+        drafting = decoding if self.config.speculative is not None else [r for r in decoding if r.params.prediction]
+        proposed = {r.request_id: (r, d) for r in drafting if (d := self._propose(r))}
+        if not proposed:
+            return {}
         width = self.drafts.width([r.acceptance.rate for r, _ in proposed.values()],
                                   [len(d) - r.unread for r, d in proposed.values()], len(decoding))
         if width == 0:
