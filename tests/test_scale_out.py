@@ -32,16 +32,22 @@ def _ask(url: str) -> int:
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code
 
 
-def _stream(url: str, outcome: dict, key: int) -> None:
+def _stream(url: str, outcome: dict, key: int, enough: threading.Event) -> None:
+    """Streams a long answer until ``enough`` is set (then the client closes it, as a user would) or
+    the stream ends; ``outcome[key]`` is (state, chunks so far)."""
     body = {"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": f"story {key}"}], "stream": True,
-            "max_tokens": 2000, "ignore_eos": True}
+            "max_tokens": 20000, "ignore_eos": True}
     chunks = 0
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 chunks += line.startswith("data: {")
                 outcome[key] = ("streaming", chunks)
-        outcome[key] = ("completed", chunks)
+                if enough.is_set():
+                    outcome[key] = ("closed by the client", chunks)
+                    break
+            else:
+                outcome[key] = ("completed", chunks)
     except httpx.HTTPError as exc:
         outcome[key] = (f"cut: {type(exc).__name__}", chunks)
     outcome[f"{key}-ended"] = time.monotonic()
@@ -79,23 +85,39 @@ def test_requests_spread_and_a_killed_replica_fails_nothing_after_the_health_int
     served = [_requests_served(a), _requests_served(b)]
     assert served == [6, 6], served  # round-robin, as the README says
 
+    # Streams long enough (20000 tokens) that neither can finish before the kill, however the
+    # machine stalls; the one on the surviving replica must go on streaming after it.
     outcome: dict = {}
-    streams = [threading.Thread(target=_stream, args=(url, outcome, i)) for i in range(2)]
+    enough = threading.Event()
+    streams = [threading.Thread(target=_stream, args=(url, outcome, i, enough)) for i in range(2)]
     for s in streams:
         s.start()
     deadline = time.monotonic() + 60
-    while not all(outcome.get(i, ("", 0))[1] > 5 for i in range(2)):
+    while not all(outcome.get(i, ("", 0))[1] >= 2 for i in range(2)):
         assert time.monotonic() < deadline, outcome
         time.sleep(0.05)
+    assert all(outcome[i][0] == "streaming" for i in range(2)), outcome
     killed = time.monotonic()
     b.proc.send_signal(signal.SIGKILL)
+    deadline = killed + 60
+    while not any(str(outcome[i][0]).startswith("cut") for i in range(2)):
+        assert time.monotonic() < deadline, f"the stream on the killed replica hangs: {outcome}"
+        time.sleep(0.05)
+    cut = next(i for i in range(2) if str(outcome[i][0]).startswith("cut"))
+    survivor = 1 - cut
+    at_cut = outcome[survivor][1]
+    while outcome[survivor][1] < at_cut + 5:  # the other replica's stream goes on
+        assert time.monotonic() < deadline, outcome
+        assert outcome[survivor][0] == "streaming", outcome
+        time.sleep(0.05)
+    enough.set()
     for s in streams:
         s.join(60)
     assert not any(s.is_alive() for s in streams), "a stream hangs"
-    ends = sorted((outcome[i][0], round(outcome[f"{i}-ended"] - killed, 2)) for i in range(2))
-    assert ends[0][0] == "completed" and ends[1][0].startswith("cut"), ends  # one on each replica
+    assert outcome[survivor][0] == "closed by the client", outcome
+    cut_after = round(outcome[f"{cut}-ended"] - killed, 2)
     time.sleep(HEALTH_INTERVAL_S + 1)
     after = [_ask(url) for _ in range(12)]
-    print(f"failover: the stream on the killed replica ended {ends[1][1]} s after SIGKILL; after "
+    print(f"failover: the stream on the killed replica ended {cut_after} s after SIGKILL; after "
           f"{HEALTH_INTERVAL_S + 1} s, {after.count(200)}/12 requests succeeded")
     assert after == [200] * 12
