@@ -87,10 +87,12 @@ def test_a_bad_prediction_is_a_400(spec_server):
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}'], "drafter model"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}'], 'needs "model"'),
+    (["--speculative-config", '{"method": "eagle3", "model": "/models/drafter"}'], "not supported yet"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 40}'], "num_speculative_tokens"),
     (["--speculative-config", "{nope"], "not JSON"),
-    (["--draft-model", "/models/drafter", "--draft-kind", "mtp"], "not supported yet"),
+    (["--draft-model", "/models/drafter", "--draft-kind", "dflash"], "not supported yet"),
+    (["--draft-kind", "mtp"], "need --draft-model"),
 ])
 def test_what_cannot_run_is_refused_at_start_up_in_one_line(args, says):
     done = subprocess.run([sys.executable, "-m", "vlmserve.cli", "serve", *args], capture_output=True, text=True,

@@ -94,8 +94,9 @@ def test_acceptance_forgets_and_counts_the_prediction() -> None:
     assert a.rate > 0.8 and a.prediction_accepted == 0  # these drafts were not the prediction's
 
 
-@pytest.mark.parametrize("text", ['{"method": "mtp", "model": "x"}', '{"method": "eagle3"}', '{"method": "ngram", '
-                                  '"num_speculative_tokens": 0}', '{"method": "ngram", "bogus": 1}', "[1]", "nope"])
+@pytest.mark.parametrize("text", ['{"method": "mtp"}', '{"method": "ngram", "model": "x"}', '{"method": "eagle3"}',
+                                  '{"method": "ngram", "num_speculative_tokens": 0}', '{"method": "ngram", "bogus": 1}',
+                                  "[1]", "nope"])
 def test_configs_that_cannot_run_are_refused_in_one_line(text: str) -> None:
     with pytest.raises(ValueError) as refused:
         SpeculativeConfig.parse(text)
@@ -317,3 +318,141 @@ def test_sampled_tokens_at_drafted_positions_follow_the_target_distribution(gemm
     assert chi2 < 16.27, (chi2, counts, {t: p / total for t, p in target.items()})
     m = gemma4.engine.metrics
     assert m is not None and m.spec_drafts > 0
+
+
+# -- a drafter model: Gemma 4's assistant (mtp) ------------------------------------------------
+
+def _assistant(tmp_path_factory: pytest.TempPathFactory, target: Any) -> Any:
+    from vlmserve.testing.gemma4 import build_assistant
+    return build_assistant(target, tmp_path_factory.getbasetemp() / "gemma4-assistant")
+
+
+@pytest.fixture(scope="module")
+def drafted(gemma4_micro: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Family]:
+    """Gemma 4 with a (random) assistant drafter that drafts on every step, whatever it costs."""
+    config = SpeculativeConfig(method="mtp", model=str(_assistant(tmp_path_factory, gemma4_micro)), adaptive=False)
+    started = _start(gemma4_micro, speculative=config, mm_prefix_cache=True)
+    yield started
+    _stop(started)
+
+
+# A presence penalty this small changes no token, and a row with a penalty never drafts: the same
+# request, decoded one token at a time, to compare a drafted row with.
+PLAIN = {"presence_penalty": 1e-9}
+
+
+def test_a_drafter_gives_mlx_vlm_greedy_tokens_alone_and_batched_with_rows_that_do_not_draft(drafted: Family) -> None:
+    red = scene("circle", (220, 30, 30))
+    prompts = [drafted.prompt(TEXT), drafted.prompt("describe it; " + TEXT, [red]), drafted.prompt("hi")]
+    want = [drafted.reference(p, GREEDY.max_tokens) for p in prompts]
+    m0 = drafted.engine.metrics
+    alone = [drafted.run(drafted.tokens(f"ma{i}", p, GREEDY)) for i, p in enumerate(prompts)]
+
+    async def together() -> list[list[int]]:
+        params = [dataclasses.replace(GREEDY, **PLAIN) if i % 2 else GREEDY for i in range(6)]
+        return await asyncio.gather(*(drafted.tokens(f"mb{i}", prompts[i % 3], params[i]) for i in range(6)))
+
+    assert alone == want
+    assert drafted.run(together()) == [want[i % 3] for i in range(6)]
+    m = drafted.engine.metrics
+    assert m is not None and m0 is not None
+    # every drafted row drafted on each step but its first: 13 verifies of 4 tokens, less the last ones' room
+    assert m.spec_drafts - m0.spec_drafts >= 6 * 10
+
+
+def test_a_drafters_rows_keep_the_targets_logprobs_grammar_and_seeded_samples(drafted: Family) -> None:
+    prompt = drafted.prompt(TEXT)
+    params = dataclasses.replace(GREEDY, logprobs=True, top_logprobs=3)
+    plain = _outputs(drafted, "ml0", prompt, dataclasses.replace(params, **PLAIN))
+    mine = _outputs(drafted, "ml1", prompt, params)
+    assert mine.token_ids == plain.token_ids == drafted.reference(prompt, GREEDY.max_tokens)
+    for a, b in zip(plain.logprobs, mine.logprobs):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and [t for t, _ in a.top] == [t for t, _ in b.top]
+
+    guide = drafted.run(drafted.engine.guide(_schema_spec()))
+    schema = SamplingParams(max_tokens=40, guide=guide)
+    shape = drafted.prompt("Give me a shape as JSON.")
+    plain, mine = (_outputs(drafted, f"mj{i}", shape, p)
+                   for i, p in enumerate([dataclasses.replace(schema, **PLAIN), schema]))
+    assert mine.error is None and mine.token_ids == plain.token_ids and mine.text.startswith("{")
+
+    for seed in range(6):
+        sampled = SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=seed, ignore_eos=True)
+        plain = _outputs(drafted, f"ms{seed}", prompt, dataclasses.replace(sampled, **PLAIN)).token_ids
+        assert _outputs(drafted, f"mt{seed}", prompt, sampled).token_ids == plain, f"seed {seed}"
+
+
+def test_a_drafter_in_a_two_turn_chat_about_a_picture_under_the_image_prefix_cache(drafted: Family) -> None:
+    red = scene("circle", (220, 30, 30))
+    engine = drafted.engine
+    first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "describe it"}]}]
+    turn1 = engine.prompter.build(first, [red])
+    reply1 = drafted.reference(turn1, 8)
+    second = [*first, {"role": "assistant", "content": engine.prompter.detokenize(reply1)},
+              {"role": "user", "content": [{"type": "text", "text": "again, " + TEXT}]}]
+    turn2 = engine.prompter.build(second, [red])
+    assert drafted.run(drafted.tokens("mc1", turn1, dataclasses.replace(GREEDY, max_tokens=8))) == reply1
+    got2 = _outputs(drafted, "mc2", turn2, GREEDY)
+    assert got2.token_ids == drafted.reference(turn2, GREEDY.max_tokens) and got2.num_cached_tokens > 0
+
+
+def test_the_drafter_proposes_what_mlx_vlms_own_round_loop_does(drafted: Family) -> None:
+    """The wiring: at each position both loops draft from (the same context, the same input token),
+    our drafter's tokens are mlx-vlm's (its MTP round loop, on the same drafter weights)."""
+    from mlx_vlm.generate.ar import generate_step
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    engine = drafted.engine
+    prompt = drafted.prompt(TEXT)
+    theirs: dict[tuple[int, int], list[int]] = {}
+    ours: dict[tuple[int, int], list[int]] = {}
+
+    def recording(model: Any, into: dict[tuple[int, int], list[int]]) -> None:
+        block = model.draft_block
+
+        def draft_block(bonus: Any, *args: Any, **kwargs: Any) -> Any:
+            out = block(bonus, *args, **kwargs)
+            into[(int(model._position), int(bonus if isinstance(bonus, int) else bonus.item()))] = out[0].tolist()
+            return out
+        model.draft_block = draft_block
+
+    def reference() -> None:
+        import mlx.core as mx
+        assert engine.config.speculative is not None
+        model, _ = load_drafter(engine.config.speculative.model, "mtp")
+        model.set_dtype(engine.loaded.model.language_model.model.embed_tokens.weight.dtype)
+        recording(model, theirs)
+        ids = mx.array(prompt.input_ids, dtype=mx.int32)[None]
+        steps = generate_step(ids, engine.loaded.model, None, mx.ones(ids.shape, dtype=mx.int32), max_tokens=14,
+                              temperature=0.0, draft_model=model, draft_kind="mtp", draft_block_size=5)
+        for _ in steps:
+            pass
+
+    engine.worker.call(reference)
+    drafter = engine.loaded.drafter
+    assert drafter is not None
+    engine.worker.call(recording, drafter.model, ours)
+    drafted.run(drafted.tokens("mw", prompt, GREEDY))
+    both = theirs.keys() & ours.keys()
+    assert len(both) >= 8, (sorted(theirs), sorted(ours))
+    agreed = 0
+    for key in both:  # the loops draft as many tokens as each has room for: the first ones agree
+        n = min(len(ours[key]), len(theirs[key]))
+        assert ours[key][:n] == theirs[key][:n], (key, ours[key], theirs[key])
+        agreed += n >= 3
+    assert agreed >= 8
+
+
+def test_a_drafter_that_cannot_serve_its_target_is_refused_at_load_in_one_line(
+        gemma4_micro: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    from vlmserve.engine.loader import ModelLoadError
+
+    assistant = str(_assistant(tmp_path_factory, gemma4_micro))
+    cases = [(build_model("qwen2_vl", "micro"), assistant, "drafts for gemma4, not qwen2_vl"),
+             (gemma4_micro, str(gemma4_micro), "is a 'gemma4'"),
+             (gemma4_micro, "/no/such/drafter", "could not be loaded")]
+    for target, drafter, says in cases:
+        config = SpeculativeConfig(method="mtp", model=drafter)
+        with pytest.raises(ModelLoadError) as caught:
+            _start(target, speculative=config)
+        assert says in str(caught.value) and "\n" not in str(caught.value), str(caught.value)

@@ -156,11 +156,15 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
                      help="the image prefix cache's memory (least recently used entries go first)")
     srv.add_argument("--speculative-config", default=None, metavar="JSON",
                      help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                          '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; drafts are verified, so the output is the '
-                          "same, sooner where drafts are right (a request's OpenAI prediction is a draft on any server)")
+                          '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\', or a drafter: \'{"method": "mtp", "model": '
+                          'DIR, "num_speculative_tokens": 3}\'; drafts are verified, so the output is the same, sooner '
+                          "where drafts are right (a request's OpenAI prediction is a draft on any server)")
     srv.add_argument("--draft-model", default=None, metavar="PATH",
-                     help="a drafter model, as mlx_vlm.server spells it (not supported yet: refused at start-up)")
-    srv.add_argument("--draft-kind", default=None, metavar="KIND", help="the --draft-model's kind (mtp, eagle3, dflash...)")
+                     help='a drafter model, as mlx_vlm.server spells it: the same as \'{"method": "mtp", "model": PATH}\'')
+    srv.add_argument("--draft-kind", default=None, metavar="KIND",
+                     help="the --draft-model's kind: mtp (Gemma 4 assistant drafters); others are refused at start-up")
+    srv.add_argument("--draft-block-size", type=int, default=None, metavar="N",
+                     help="with --draft-model: tokens per verify, the input's included (num_speculative_tokens + 1)")
     srv.add_argument("--allowed-media-dir", action="append", type=Path, default=[], help="local images may come from here")
     srv.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs (public addresses only)")
     srv.add_argument("--allowed-media-domains", nargs="+", action="extend", default=[], metavar="DOMAIN",
@@ -220,10 +224,16 @@ def _pixels(text: str) -> int:
 
 def _speculative(args: argparse.Namespace) -> SpeculativeConfig | None | str:
     """``--speculative-config`` (or mlx_vlm.server's ``--draft-model``/``--draft-kind``), or what is wrong."""
-    if args.draft_model is not None or args.draft_kind is not None:
-        kind = args.draft_kind or "a drafter"
-        return (f"--draft-model: {kind} models are not supported yet; speculate with "
-                f"--speculative-config '{{\"method\": \"ngram\"}}' or a request's prediction")
+    if args.draft_model is not None or args.draft_kind is not None or args.draft_block_size is not None:
+        if args.speculative_config is not None:
+            return "--draft-model and --speculative-config say the same thing: give one of them"
+        if args.draft_model is None:
+            return "--draft-kind and --draft-block-size need --draft-model"
+        try:
+            return SpeculativeConfig(method=args.draft_kind or "mtp", model=args.draft_model,
+                                     num_speculative_tokens=(args.draft_block_size or 4) - 1)
+        except ValueError as exc:
+            return f"--draft-model: {exc}"
     if args.speculative_config is None:
         return None
     try:

@@ -29,6 +29,9 @@ class DecodeBatch:
     tokens: mx.array | None = None  # [B] int32: each row's last sampled token, its next input (maybe in flight)
     # Per row: the step whose sample ``tokens`` holds and the row there, until it is read and reported.
     unread: list[tuple[SampledBatch, int] | None] = field(default_factory=list)
+    # With a drafter (engine/drafter.py): per row, the target's normalized hidden state at its newest
+    # position, ``[1, H]`` (the drafter's input with the row's input token); None until a decode gives one.
+    hidden: list[mx.array | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -49,6 +52,7 @@ class DecodeBatch:
         self.request_ids += request_ids
         self.sampling += sampling
         self.unread += [None] * len(request_ids)  # their first tokens went out with their prefill
+        self.hidden += [None] * len(request_ids)
 
     def remove(self, request_ids: Iterable[str]) -> None:
         gone = set(request_ids)
@@ -60,6 +64,7 @@ class DecodeBatch:
         self.request_ids = [self.request_ids[i] for i in keep]
         self.sampling = [self.sampling[i] for i in keep]
         self.unread = [self.unread[i] for i in keep]
+        self.hidden = [self.hidden[i] for i in keep]
         if not keep:
             self.cache, self.row_state, self.tokens = None, {}, None
             return

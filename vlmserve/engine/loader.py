@@ -16,8 +16,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from vlmserve.engine.drafter import Drafter, DrafterError
 from vlmserve.engine.engine_config import DEFAULT_DTYPE, DTYPES
 from vlmserve.engine.models import ModelAdapter, UnsupportedModelError, adapter_for
+from vlmserve.engine.speculative import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     max_context: int
     load_seconds: float
+    drafter: Drafter | None = None  # speculative decoding's drafter model (engine/drafter.py), loaded beside it
 
     @property
     def tokenizer(self) -> Any:
@@ -241,3 +244,18 @@ def configure_process() -> None:
         if mx.metal.is_available():
             # Keep weights wired on Apple Silicon, as mlx-lm's server does.
             mx.set_wired_limit(int(mx.device_info()["max_recommended_working_set_size"]))
+
+
+def load_drafter(spec: SpeculativeConfig, loaded: LoadedModel, pipeline: bool) -> Drafter:
+    """``spec``'s drafter model for ``loaded``, on the worker; ModelLoadError (the server exits, one line)
+    where it cannot serve it."""
+    assert spec.model is not None
+    if pipeline:
+        raise ModelLoadError(f"{loaded.name}: a drafter model does not run across pipeline ranks (yet); "
+                             "drop --speculative-config's mtp or serve on one machine")
+    if not loaded.adapter.verifies_drafts:
+        raise ModelLoadError(f"{loaded.name}: {loaded.model_type} does not verify drafts, so a drafter cannot serve it")
+    try:
+        return Drafter.load(spec.model, loaded.model, loaded.model_type, loaded.name, loaded.adapter)
+    except DrafterError as exc:
+        raise ModelLoadError(str(exc)) from None

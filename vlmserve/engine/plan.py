@@ -102,6 +102,8 @@ class SchedulerOutput:
     # the tokens the scheduler knows; where a row's newest token was still computing when the step was
     # planned (pipelined decode), the first draft token is a guess at it (engine/speculative.py).
     drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Decode rows whose draft the drafter model proposes on the worker (engine/drafter.py): how many tokens
+    draft_widths: dict[str, int] = field(default_factory=dict)
     prefill: list[PrefillChunk] = field(default_factory=list)
     # Whole prompts that share one left-padded forward (two or more each); other chunks run alone.
     prefill_groups: list[list[str]] = field(default_factory=list)
@@ -123,7 +125,7 @@ class SchedulerOutput:
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
         """Tokens per request this step (vLLM's name): one per decode row, its chunk per prompt."""
-        decode = {r: 1 + len(self.drafts.get(r, ())) for r in self.decode}
+        decode = {r: 1 + len(self.drafts.get(r, ())) + self.draft_widths.get(r, 0) for r in self.decode}
         return {**decode, **{c.request_id: c.num_tokens for c in self.prefill}}
 
 

@@ -39,7 +39,7 @@ from vlmserve.engine.plan import (
     TokenLogprob,
 )
 from vlmserve.engine.sampler import RowState, sample
-from vlmserve.engine.verify import read_drafts, verify
+from vlmserve.engine.verify import StepDrafts, read_drafts, verify
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, caches: EngineCaches | None = None) -> None:
         self.loaded = loaded
         self.adapter = loaded.adapter
+        self.drafter = loaded.drafter  # speculative decoding's drafter model (engine/drafter.py), or None
         self.caches = caches if caches is not None else EngineCaches(None, None)
         if not self.adapter.vision_cache:  # only where one image's features can be computed alone
             self.caches.vision = None
@@ -80,8 +81,8 @@ class ModelRunner:
             self._guarded(out, [new.request_id], self._enter, new)
         self._encode_all(plan.encode, out)
         self._share(plan, out)
-        if plan.decode and plan.drafts:
-            self._guarded(out, plan.decode, self._verify, plan.drafts, out)
+        if plan.decode and (plan.drafts or plan.draft_widths):
+            self._guarded(out, plan.decode, self._verify, plan, out)
         elif plan.decode:
             self._guarded(out, plan.decode, lambda: out.samples.update(self.decode(out.errors)))
             out.unread.update(plan.decode)
@@ -326,26 +327,48 @@ class ModelRunner:
         if guided.guided(batch.sampling):  # the grammars need this step's inputs now: no pipelining
             refused = guided.consume(batch.sampling, cast(list[int], batch.tokens.tolist()))
             errors.update({batch.request_ids[i]: why for i, why in refused.items()})
-        logits = self.adapter.decode(batch.tokens[:, None], batch.cache, batch.row_state)
+        row_state, sink = batch.row_state, None
+        if self.drafter is not None:  # the drafter's next input: each row's hidden state at this position
+            row_state, sink = self.drafter.hidden_sink(row_state)
+        logits = self.adapter.decode(batch.tokens[:, None], batch.cache, row_state)
         step = sample(logits, batch.sampling, batch.tokens, guided.allowed(batch.sampling, logits.shape[-1]))
-        mx.async_eval(*step.arrays())  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
+        if self.drafter is not None and sink:
+            batch.hidden = self.drafter.rows_hidden(sink, [0] * len(batch))
+        mx.async_eval(*step.arrays(), *[h for h in batch.hidden if h is not None])  # type: ignore[no-untyped-call]
         return batch.advance(step)
 
-    def _verify(self, drafts: dict[str, tuple[int, ...]], out: RunnerOutput) -> None:
+    def _verify(self, plan: SchedulerOutput, out: RunnerOutput) -> None:
         """Decode with drafts: every row's input and draft in one forward, read at once (engine/verify.py).
-        Where no draft is left once the inputs are read (every guess was wrong), a plain decode step."""
-        step = read_drafts(self.batch, drafts)
+        The drafter's rows draft once their inputs are read. Where no draft is left then (every guess
+        was wrong, or no drafter row has a hidden state yet), a plain decode step."""
+        step = read_drafts(self.batch, plan.drafts)
+        if plan.draft_widths and self.drafter is not None:
+            self._draft(step, plan.draft_widths)
         out.verified.update(dict.fromkeys(step.missed, (1, 0)))
         if not any(step.rows):
             out.samples.update(step.earlier)
             out.samples.update(self.decode(out.errors))
             out.unread.update(self.batch.request_ids)
             return
-        verified = verify(self.adapter, self.batch, step, out.errors)
+        verified = verify(self.adapter, self.batch, step, out.errors, self.drafter)
         for request_id, picked in verified.samples.items():
             tokens = [*([step.earlier[request_id]] if request_id in step.earlier else []), *picked]
             out.samples[request_id], out.more[request_id] = tokens[0], tokens[1:]
         out.verified.update(verified.counts)
+
+    def _draft(self, step: StepDrafts, widths: dict[str, int]) -> None:
+        """The drafter's drafts for its rows that have a hidden state, into ``step``."""
+        assert self.drafter is not None and self.batch.cache is not None
+        batch = self.batch
+        rows = [i for i, rid in enumerate(batch.request_ids)
+                if widths.get(rid) and not step.rows[i] and batch.hidden[i] is not None]
+        if not rows:
+            return
+        hidden = [h for i in rows if (h := batch.hidden[i]) is not None]
+        k = max(widths[batch.request_ids[i]] for i in rows)
+        drafts = self.drafter.propose(self.batch.cache, rows, [step.inputs[i] for i in rows], hidden, k)
+        for i, draft in zip(rows, drafts):
+            step.rows[i] = draft[:widths[batch.request_ids[i]]]
 
     def remove(self, request_ids: Iterable[str]) -> None:
         """Drop finished or aborted requests, prefilling or decoding, and free their KV."""

@@ -162,7 +162,7 @@ class Scheduler:
         out.new = self._admit()
         decoding = [r for r in self.running if r.encoded and r.prefill_done]
         out.decode = [r.request_id for r in decoding]
-        out.drafts = self._plan_drafts(decoding)
+        out.drafts, out.draft_widths = self._plan_drafts(decoding)
         since = min((r.first_token_time or math.inf for r in decoding), default=math.inf)
         text = [EncodeChunk(r.request_id) for r in self.running
                 if not r.encoded and not r.num_images and r.fork_of is None]
@@ -174,24 +174,29 @@ class Scheduler:
         out.prefill_groups = self._groups(out.prefill)
         return out
 
-    def _plan_drafts(self, decoding: list[Request]) -> dict[str, tuple[int, ...]]:
-        """Each decoding row's draft this step, all cut to the width the policy finds pays (maybe none)."""
+    def _plan_drafts(self, decoding: list[Request]) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+        """Each decoding row's draft this step, all cut to the width the policy finds pays (maybe none):
+        the drafts the scheduler knows, and how many tokens the drafter model proposes for its rows."""
         if self.drafts is None:
-            return {}
-        # Without ngram only predictions draft: most steps have none to look at
+            return {}, {}
+        # Without a method only predictions draft: most steps have none to look at
         drafting = decoding if self.config.speculative is not None else [r for r in decoding if r.params.prediction]
         proposed = {r.request_id: (r, d) for r in drafting if (d := self._propose(r))}
         if not proposed:
-            return {}
-        width = self.drafts.width([r.acceptance.rate for r, _ in proposed.values()],
-                                  [len(d) - r.unread for r, d in proposed.values()], len(decoding))
+            return {}, {}
+        lengths = [d if isinstance(d, int) else len(d) - r.unread for r, d in proposed.values()]
+        width = self.drafts.width([r.acceptance.rate for r, _ in proposed.values()], lengths, len(decoding))
         if width == 0:
-            return {}
-        return {rid: tuple(d[:width + r.unread]) for rid, (r, d) in proposed.items() if len(d) > r.unread}
+            return {}, {}
+        drafts = {rid: tuple(d[:width + r.unread]) for rid, (r, d) in proposed.items()
+                  if isinstance(d, list) and len(d) > r.unread}
+        return drafts, {rid: min(d, width) for rid, (_, d) in proposed.items() if isinstance(d, int)}
 
-    def _propose(self, req: Request) -> list[int]:
-        """``req``'s draft: its prediction's next tokens, else (ngram on) a prompt lookup. Where its
-        newest token is still computing, one more token goes first: the guess at that one."""
+    def _propose(self, req: Request) -> list[int] | int:
+        """``req``'s draft: its prediction's next tokens, else (ngram on) a prompt lookup, else (a
+        drafter model) how many tokens the drafter is to propose. Where its newest token is still
+        computing, a known draft has one more token first: the guess at that one (the drafter drafts
+        once the runner has read it)."""
         assert self.drafts is not None
         p, config = req.params, self.config.speculative
         k = self.drafts.config.num_speculative_tokens  # the server's, or the default for predictions
@@ -208,6 +213,8 @@ class Scheduler:
             req.drafts_from_prediction = False
         if config is None:
             return []
+        if config.drafter:
+            return k - req.unread
         known = [*req.prompt.input_ids, *req.output_token_ids]
         return lookup(known, k, config.prompt_lookup_min, config.prompt_lookup_max)
 

@@ -2,13 +2,17 @@
 
 A draft is a guess at a row's next tokens; the runner verifies a row's input and its draft in one
 forward and keeps the longest prefix the target itself would have produced (engine/verify.py), so
-the output is the target's, token for token. Two sources, both model-free:
+the output is the target's, token for token. Three sources:
 
 - ``ngram`` (prompt lookup, vLLM's ``--speculative-config '{"method": "ngram", ...}'``): the tokens
   that followed the most recent earlier occurrence of the row's last ``n`` tokens, in its prompt and
   output, for ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``;
 - OpenAI's ``prediction`` (any server, per request): the predicted text's tokens that follow where
-  the output stands in it.
+  the output stands in it;
+- ``mtp`` (``{"method": "mtp", "model": DIR}``, mlx_vlm.server's ``--draft-model DIR --draft-kind
+  mtp``): a drafter model, loaded with mlx-vlm's own drafter classes, that reads the target's last
+  hidden state and KV and proposes the next tokens on the worker, beside the target
+  (engine/drafter.py). Gemma 4's assistant drafters.
 
 Speculating costs a verify forward ``k + 1`` positions wide per row, and ends the decode pipeline
 for the step (the next input is known only once the acceptance is read). ``DraftPolicy`` picks the
@@ -28,16 +32,16 @@ import numpy as np
 if TYPE_CHECKING:
     from vlmserve.engine.costs import StepCosts
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "mtp")
 # Named by vLLM and mlx_vlm.server, and not run here (yet): refused at start-up, in one line.
-DRAFTER_METHODS = ("draft_model", "mtp", "eagle", "eagle3", "dflash", "medusa")
+UNSUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "dflash", "medusa")
 PRIOR_ACCEPTED, PRIOR_DRAFTED = 1.0, 2.0  # a row's acceptance before it has any: 0.5, weighed as 2 tokens
 _FORGET = 0.9  # each verify, a row's acceptance counts weigh this much less (recent behaviour wins)
 
 
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
-    """``--speculative-config`` as vLLM spells it (the ngram method's fields)."""
+    """``--speculative-config`` as vLLM spells it (ngram's fields, and mtp's ``model``)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4  # draft tokens per row and step, at most
@@ -45,13 +49,19 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     # false: draft ``num_speculative_tokens`` whenever there is a draft, whatever it costs (tests)
     adaptive: bool = True
+    model: str | None = None  # mtp: the drafter's directory (or Hub id), loaded with mlx-vlm's drafter classes
 
     def __post_init__(self) -> None:
-        if self.method in DRAFTER_METHODS:
-            raise ValueError(f"method {self.method!r} (a drafter model) is not supported yet; "
-                             f"this server speculates with {', '.join(METHODS)} and OpenAI's prediction")
+        if self.method in UNSUPPORTED_METHODS:
+            raise ValueError(f"method {self.method!r} is not supported yet; this server speculates with "
+                             f"{', '.join(METHODS)} and OpenAI's prediction")
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; one of {', '.join(METHODS)}")
+        if self.method == "mtp" and not self.model:
+            raise ValueError('method "mtp" needs "model": a drafter directory (a checkpoint\'s own MTP layers, '
+                             "read without one, are not supported yet)")
+        if self.method != "mtp" and self.model is not None:
+            raise ValueError(f'"model" names a drafter, which method {self.method!r} has none of; use "mtp"')
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
@@ -67,14 +77,15 @@ class SpeculativeConfig:
         if not isinstance(given, dict):
             raise ValueError("must be a JSON object")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(given) - known - {"model"})
+        unknown = sorted(set(given) - known)
         if unknown:
             raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        if given.get("model") is not None:
-            raise ValueError(f"a drafter model ({given['model']!r}) is not supported yet; "
-                             f"use method {', '.join(METHODS)} or a request's prediction")
-        given.pop("model", None)
         return cls(**given)
+
+    @property
+    def drafter(self) -> bool:
+        """Whether a drafter model proposes the drafts (on the worker), not a lookup the scheduler makes."""
+        return self.method == "mtp"
 
 
 def lookup(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from vlmserve.engine import guided
 from vlmserve.engine.batch import DecodeBatch
+from vlmserve.engine.drafter import Drafter
 from vlmserve.engine.models import ModelAdapter
 from vlmserve.engine.plan import Sample
 from vlmserve.engine.sampler import RowState, sample
@@ -61,9 +62,10 @@ def read_drafts(batch: DecodeBatch, drafts: dict[str, tuple[int, ...]]) -> StepD
     return out
 
 
-def verify(adapter: ModelAdapter, batch: DecodeBatch, drafts: StepDrafts, errors: dict[str, str]) -> Verified:
+def verify(adapter: ModelAdapter, batch: DecodeBatch, drafts: StepDrafts, errors: dict[str, str],
+           drafter: Drafter | None = None) -> Verified:
     """Verify each row's draft in one forward; a guided row whose grammar refuses its input lands in
-    ``errors``, as in decode."""
+    ``errors``, as in decode. With a drafter, each row keeps the hidden state at its newest kept position."""
     assert batch.cache is not None
     inputs, rows = drafts.inputs, drafts.rows
     if guided.guided(batch.sampling):
@@ -72,13 +74,16 @@ def verify(adapter: ModelAdapter, batch: DecodeBatch, drafts: StepDrafts, errors
         rows = guided.within_grammar(batch.sampling, rows)
     width = 1 + max(len(d) for d in rows)
     tokens = mx.array([[t, *d, *[t] * (width - 1 - len(d))] for t, d in zip(inputs, rows)], dtype=mx.int32)
-    logits, transaction = adapter.verify(tokens, batch.cache, batch.row_state)
+    row_state, sink = drafter.hidden_sink(batch.row_state) if drafter is not None else (batch.row_state, None)
+    logits, transaction = adapter.verify(tokens, batch.cache, row_state)
     try:
         picked, accepted = _pick(logits, batch.sampling, inputs, rows)
     except BaseException:
         transaction.abort()
         raise
     adapter.commit(transaction, batch.cache, accepted, width)
+    if drafter is not None and sink:
+        batch.hidden = drafter.rows_hidden(sink, accepted)
     guided.roll_back(batch.sampling, [len(d) - a for d, a in zip(rows, accepted)])
     batch.set_inputs([p[-1].token_id for p in picked])
     counts = {rid: (len(d), a) for rid, d, a in zip(batch.request_ids, rows, accepted) if d}

@@ -24,7 +24,7 @@ from PIL import Image
 from vlmserve.engine.caches import EngineCaches
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.engine_config import EngineConfig
-from vlmserve.engine.loader import LoadedModel, ModelLoadError, configure_process, load_model
+from vlmserve.engine.loader import LoadedModel, ModelLoadError, configure_process, load_drafter, load_model
 from vlmserve.engine.memory import KVBudget
 from vlmserve.engine.models import SUPPORTED_FAMILIES
 from vlmserve.engine.params import Guide, PromptInputs, SamplingParams
@@ -180,6 +180,9 @@ class AsyncEngine:
             why = "across pipeline ranks" if self.config.pipeline else f"for this family ({self.loaded.model_type})"
             log.info("model %s: speculative decoding is off %s: ngram drafts and requests' predictions are unused",
                      self.name, why)
+        elif spec is not None and spec.drafter:
+            log.info("model %s: speculative decoding with the drafter %s (mtp, up to %d tokens)%s", self.name,
+                     spec.model, spec.num_speculative_tokens, "" if spec.adaptive else ", drafting whatever it costs")
         elif spec is not None:
             log.info("model %s: speculative decoding with ngram drafts (up to %d tokens, lookup %d-%d)%s", self.name,
                      spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
@@ -192,6 +195,9 @@ class AsyncEngine:
             loaded, self.stage = load_stage(self.model_spec, self.name, self.config.dtype, self.config.trust_remote_code)
         else:
             loaded = load_model(self.model_spec, self.name, self.config.dtype, self.config.trust_remote_code)
+        spec = self.config.speculative
+        if spec is not None and spec.drafter:
+            loaded.drafter = load_drafter(spec, loaded, self.config.pipeline)
         if self.config.max_model_len:
             loaded.max_context = min(loaded.max_context, self.config.max_model_len)
         return loaded

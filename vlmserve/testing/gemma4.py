@@ -7,6 +7,8 @@ Token names follow the real Gemma 4 tokenizer (boi ``<|image>``, image ``<|image
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -181,3 +183,36 @@ def fix_init(model: nn.Module) -> None:
     embedder = model.vision_tower.patch_embedder
     table = embedder.position_embedding_table
     embedder.position_embedding_table = 0.3 * mx.random.normal(table.shape, dtype=table.dtype)
+
+
+def assistant_config(target_config: dict[str, Any], layers: int = 2) -> dict[str, Any]:
+    """A Gemma 4 assistant drafter's config.json (mlx-vlm's ``gemma4_assistant``, the ``mtp`` kind) for
+    the Gemma 4 whose config is ``target_config``: ``layers`` layers that read the target's KV (its
+    last sliding and full-attention layers'), its width and vocabulary."""
+    target = target_config["text_config"]
+    types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+    text = {**target, "num_hidden_layers": layers, "layer_types": types, "hidden_size_per_layer_input": 0,
+            "num_kv_shared_layers": layers}
+    return {"model_type": "gemma4_assistant", "backbone_hidden_size": target["hidden_size"],
+            "tie_word_embeddings": True, "block_size": 4, "text_config": text}
+
+
+def build_assistant(target: Path, out: Path, seed: int = 0) -> Path:
+    """A random (seeded) assistant drafter for the Gemma 4 build at ``target``, written to ``out``
+    (kept if already there): what ``--speculative-config '{"method": "mtp", "model": out}'`` loads."""
+    from mlx.utils import tree_flatten
+    from mlx_vlm.speculative.drafters.gemma4_assistant import Gemma4AssistantDraftModel
+    from mlx_vlm.speculative.drafters.gemma4_assistant.config import Gemma4AssistantConfig
+
+    weights = out / "model.safetensors"
+    if weights.exists():
+        return out
+    config = assistant_config(json.loads((target / "config.json").read_text()))
+    mx.random.seed(seed)
+    model = Gemma4AssistantDraftModel(Gemma4AssistantConfig.from_dict(config))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    tmp = out / "model.tmp.safetensors"
+    mx.save_safetensors(str(tmp), dict(tree_flatten(model.parameters())))
+    tmp.rename(weights)
+    return out
