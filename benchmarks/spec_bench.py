@@ -7,14 +7,19 @@ Two model kinds:
   ``edit`` (rewrite a JSON object with one value changed, the original as the ``prediction``) and
   ``free`` (a story: ngram drafts, which rarely match);
 - ``--model demo``: the demo model's caption of ``assets/example.png``, with the right caption as the
-  prediction (``copy``), one colour wrong (``edit``), or none (``free``).
+  prediction (``copy``), one colour wrong (``edit``), or none (``free``); and its shapes as JSON, no
+  prediction (``json``, a longer answer).
 
 Each cell runs ``--rounds`` rounds of ``c`` concurrent greedy requests through ``AsyncEngine`` (no
 HTTP); the answers with and without speculation are checked equal. Float32 weights want OpenBLAS
 (``LD_PRELOAD``, see vlmserve/blas.py); the program restarts itself under it when it is installed,
 unless ``VLMSERVE_NO_OPENBLAS`` is set.
 
-    python benchmarks/spec_bench.py [--model real|demo|DIR] [--concurrency 1,4,8] [--rounds 2] [--out DIR]
+With ``--drafter DIR`` (or ``demo-gemma4-assistant``, the demo model's) the speculating engine drafts
+with that drafter model (``mtp``) instead of prompt lookup; requests with a prediction still draft
+from it.
+
+    python benchmarks/spec_bench.py [--model real|demo|DIR] [--drafter DIR] [--concurrency 1,4,8] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import Any
 from PIL import Image
 
 from vlmserve.blas import find_openblas, openblas_preloaded
-from vlmserve.config import DEMO_MODEL_DIR
+from vlmserve.config import DEMO_MODEL_DIR, resolve_drafter
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.speculative import SpeculativeConfig
@@ -70,8 +75,9 @@ def demo_workloads(caption: str) -> list[Workload]:
     image = Image.open(ROOT / "assets" / "example.png").convert("RGB")
     ask = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}]
     edited = caption.replace("red", "green", 1)
+    as_json = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Return the shapes as JSON."}]}]
     return [Workload("copy", ask, [image], caption), Workload("edit", ask, [image], edited),
-            Workload("free", ask, [image], None)]
+            Workload("free", ask, [image], None), Workload("json", as_json, [image], None)]
 
 
 async def _one(engine: AsyncEngine, rid: str, work: Workload, params: SamplingParams) -> list[int]:
@@ -170,6 +176,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="copy,edit,free")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--drafter", default=None, help="a drafter model (mtp) instead of ngram drafts")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     library = find_openblas()
@@ -184,7 +191,10 @@ def main() -> None:
         model = str(DEMO_MODEL_DIR) if args.model == "demo" else args.model
     levels = [int(c) for c in args.concurrency.split(",")]
     off = asyncio.run(_run(args, model, "no speculation", None, levels))
-    spec = asyncio.run(_run(args, model, "ngram", SpeculativeConfig(num_speculative_tokens=args.k), levels))
+    method = SpeculativeConfig(num_speculative_tokens=args.k)
+    if args.drafter:
+        method = SpeculativeConfig(method="mtp", model=resolve_drafter(args.drafter), num_speculative_tokens=args.k)
+    spec = asyncio.run(_run(args, model, method.method, method, levels))
     rows = _rows(off, spec)
     print(f"model {Path(model).name}, dtype {args.dtype}, BLAS: {'OpenBLAS' if openblas_preloaded() else 'reference'}")
     print("| workload | c | tokens | tok/s off | tok/s spec | ratio | acceptance | draft tokens |")
@@ -194,7 +204,7 @@ def main() -> None:
         print(f"| {r['workload']} | {r['c']} | {r['tokens']} | {r['tok_s_off']} | {r['tok_s_spec']} | {r['ratio']}x | "
               f"{acceptance} | {r['drafted']} |")
     args.out.mkdir(parents=True, exist_ok=True)
-    name = Path(model).name
+    name = Path(model).name + (f"-{Path(args.drafter).name}" if args.drafter else "")
     (args.out / f"spec_bench-{name}.json").write_text(json.dumps(rows, indent=1))
     _plot(rows, args.out / f"spec_bench-{name}.png", f"speculative decoding, {name}")
 

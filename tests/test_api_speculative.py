@@ -99,3 +99,28 @@ def test_what_cannot_run_is_refused_at_start_up_in_one_line(args, says):
                           timeout=60)
     assert done.returncode == 2
     assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.fixture(scope="module")
+def drafter_server(tmp_path_factory):
+    from server_utils import start_server
+
+    # the demo model's own drafter, by name; every step drafts, whatever this machine's costs say
+    config = json.dumps({"method": "mtp", "model": "demo-gemma4-assistant", "num_speculative_tokens": 3,
+                         "adaptive": False})
+    server = start_server(["--speculative-config", config], tmp_path_factory.mktemp("logs") / "drafter.log")
+    yield server
+    server.stop()
+
+
+def test_the_demo_drafter_gives_the_same_caption_and_most_of_its_drafts_are_accepted(drafter_server):
+    client = openai.OpenAI(base_url=drafter_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    assert _caption(client).choices[0].message.content == CAPTION
+    streamed = list(_caption(client, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == CAPTION
+    metrics = httpx.get(drafter_server.url + "/metrics").text
+    counters = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("vllm:spec_decode") and "position" not in line}
+    drafted, accepted = counters["vllm:spec_decode_num_draft_tokens_total"], counters["vllm:spec_decode_num_accepted_tokens_total"]
+    assert drafted > 0 and accepted / drafted > 0.5, (accepted, drafted)  # a caption is what it was trained on
+    assert "speculative decoding with the drafter" in drafter_server.log and "demo-gemma4-assistant" in drafter_server.log

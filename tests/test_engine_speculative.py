@@ -78,10 +78,21 @@ def test_the_policy_drafts_only_where_it_pays() -> None:
     assert policy.width([0.9], [6], rows=8) == 0
     # A step read at once costs more than a pipelined one: a middling draft no longer pays for it
     assert policy.width([0.5], [6], rows=1) == 1
+
     policy.sync_step_s = 0.015
     assert policy.width([0.5], [6], rows=1) == 0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert DraftPolicy(SpeculativeConfig(adaptive=False), 1.0, 0.01).width([0.0], [3], rows=8) == 3
+
+
+def test_the_policy_counts_what_a_drafter_model_costs() -> None:
+    policy = DraftPolicy(SpeculativeConfig(num_speculative_tokens=4), prompt_token_s=0.001, decode_step_s=0.01,
+                         sync_step_s=0.01)
+    assert policy.width([0.7], [4], rows=1, modelled=1) == 4  # unmeasured, a drafter costs nothing yet
+    policy.draft_token_s = 0.002
+    cheap = policy.width([0.7], [4], rows=1, modelled=1)
+    policy.draft_token_s = 0.02  # each drafted token costs two steps: no draft pays that
+    assert cheap >= 2 and policy.width([0.7], [4], rows=1, modelled=1) == 0
 
 
 def test_acceptance_forgets_and_counts_the_prediction() -> None:
@@ -397,50 +408,66 @@ def test_a_drafter_in_a_two_turn_chat_about_a_picture_under_the_image_prefix_cac
 
 
 def test_the_drafter_proposes_what_mlx_vlms_own_round_loop_does(drafted: Family) -> None:
-    """The wiring: at each position both loops draft from (the same context, the same input token),
-    our drafter's tokens are mlx-vlm's (its MTP round loop, on the same drafter weights)."""
+    """The wiring: wherever both loops draft from the same context and input token, our drafter's
+    tokens are mlx-vlm's (its MTP round loop for the prompt alone, on the same drafter weights). Ours
+    runs two prompts in one batch, one of them past the sliding window (its keys a rotated ring)."""
     from mlx_vlm.generate.ar import generate_step
     from mlx_vlm.speculative.drafters import load_drafter
 
     engine = drafted.engine
-    prompt = drafted.prompt(TEXT)
+    window = engine.loaded.model.config.text_config.sliding_window
+    params = dataclasses.replace(GREEDY, max_tokens=24)
+    prompts = [drafted.prompt(TEXT), _prompt_of_length(drafted, window - 8)]
     theirs: dict[tuple[int, int], list[int]] = {}
     ours: dict[tuple[int, int], list[int]] = {}
 
-    def recording(model: Any, into: dict[tuple[int, int], list[int]]) -> None:
-        block = model.draft_block
-
-        def draft_block(bonus: Any, *args: Any, **kwargs: Any) -> Any:
-            out = block(bonus, *args, **kwargs)
-            into[(int(model._position), int(bonus if isinstance(bonus, int) else bonus.item()))] = out[0].tolist()
-            return out
-        model.draft_block = draft_block
-
-    def reference() -> None:
+    def reference(prompt: PromptInputs) -> None:
         import mlx.core as mx
         assert engine.config.speculative is not None
         model, _ = load_drafter(engine.config.speculative.model, "mtp")
         model.set_dtype(engine.loaded.model.language_model.model.embed_tokens.weight.dtype)
-        recording(model, theirs)
+        block = model.draft_block
+
+        def draft_block(bonus: Any, *args: Any, **kwargs: Any) -> Any:
+            out = block(bonus, *args, **kwargs)
+            theirs[(int(model._position), int(bonus if isinstance(bonus, int) else bonus.item()))] = out[0].tolist()
+            return out
+
+        model.draft_block = draft_block
         ids = mx.array(prompt.input_ids, dtype=mx.int32)[None]
-        steps = generate_step(ids, engine.loaded.model, None, mx.ones(ids.shape, dtype=mx.int32), max_tokens=14,
-                              temperature=0.0, draft_model=model, draft_kind="mtp", draft_block_size=5)
-        for _ in steps:
+        for _ in generate_step(ids, engine.loaded.model, None, mx.ones(ids.shape, dtype=mx.int32),
+                               max_tokens=params.max_tokens, temperature=0.0, draft_model=model, draft_kind="mtp",
+                               draft_block_size=5):
             pass
 
-    engine.worker.call(reference)
+    for prompt in prompts:
+        engine.worker.call(reference, prompt)
     drafter = engine.loaded.drafter
     assert drafter is not None
-    engine.worker.call(recording, drafter.model, ours)
-    drafted.run(drafted.tokens("mw", prompt, GREEDY))
+    propose = drafter.propose
+
+    def recorded(cache: list[Any], rows: list[int], inputs: list[int], *args: Any) -> Any:
+        out = propose(cache, rows, inputs, *args)
+        lengths = cache[next(iter(drafter.sources.values()))].offset.tolist()
+        ours.update({(lengths[r] - 1, token): list(d) for r, token, d in zip(rows, inputs, out)})
+        return out
+
+    async def together() -> list[list[int]]:
+        return await asyncio.gather(*(drafted.tokens(f"mw{i}", p, params) for i, p in enumerate(prompts)))
+
+    drafter.propose = recorded  # type: ignore[method-assign]
+    try:
+        drafted.run(together())
+    finally:
+        del drafter.propose
     both = theirs.keys() & ours.keys()
-    assert len(both) >= 8, (sorted(theirs), sorted(ours))
     agreed = 0
     for key in both:  # the loops draft as many tokens as each has room for: the first ones agree
         n = min(len(ours[key]), len(theirs[key]))
         assert ours[key][:n] == theirs[key][:n], (key, ours[key], theirs[key])
         agreed += n >= 3
-    assert agreed >= 8
+    past = [p for p, _ in both if p >= window]
+    assert agreed >= 20 and len(past) >= 5, (sorted(theirs), sorted(ours))
 
 
 def test_a_drafter_that_cannot_serve_its_target_is_refused_at_load_in_one_line(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from vlmserve.config import (
     SpeculativeConfig,
     field_default,
     param_default,
+    resolve_drafter,
     resolve_model,
     usage_error,
 )
@@ -230,16 +232,17 @@ def _speculative(args: argparse.Namespace) -> SpeculativeConfig | None | str:
         if args.draft_model is None:
             return "--draft-kind and --draft-block-size need --draft-model"
         try:
-            return SpeculativeConfig(method=args.draft_kind or "mtp", model=args.draft_model,
+            return SpeculativeConfig(method=args.draft_kind or "mtp", model=resolve_drafter(args.draft_model),
                                      num_speculative_tokens=(args.draft_block_size or 4) - 1)
         except ValueError as exc:
             return f"--draft-model: {exc}"
     if args.speculative_config is None:
         return None
     try:
-        return SpeculativeConfig.parse(args.speculative_config)
+        config = SpeculativeConfig.parse(args.speculative_config)
     except (TypeError, ValueError) as exc:
         return f"--speculative-config: {exc}"
+    return dataclasses.replace(config, model=resolve_drafter(config.model)) if config.model else config
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig | str:

@@ -23,6 +23,9 @@ from vlmserve.preprocess.media import DEFAULT_DECODE_PIXELS
 DEFAULT_MODEL_NAME = "demo-gemma4"  # the model trained in-repo on shapes (vlmserve/assets/demo-gemma4)
 # Package data, so a wheel carries it; installed packages live on disk and mlx_vlm.load wants a path.
 DEMO_MODEL_DIR: Path = Path(str(resources.files("vlmserve") / "assets" / DEFAULT_MODEL_NAME))
+# Its drafter (a Gemma 4 assistant trained in-repo: ``vlmserve train-demo-drafter``), by this name in --draft-model
+DEMO_DRAFTER_NAME = "demo-gemma4-assistant"
+DEMO_DRAFTER_DIR: Path = Path(str(resources.files("vlmserve") / "assets" / DEMO_DRAFTER_NAME))
 DEFAULT_PROMPT = "Describe this image."
 EXIT_USAGE = 2  # the exit status of a command line that cannot run, as argparse's
 
@@ -105,6 +108,11 @@ def default_model_path() -> Path:
             f"train it with: vlmserve train-demo --out {DEMO_MODEL_DIR}"
         )
     return DEMO_MODEL_DIR
+
+
+def resolve_drafter(spec: str) -> str:
+    """A drafter's path or Hub id: the demo model's drafter by its name, else ``spec`` (``~`` expanded)."""
+    return str(DEMO_DRAFTER_DIR) if spec == DEMO_DRAFTER_NAME else os.path.expanduser(spec)
 
 
 def resolve_model(spec: str | None) -> tuple[str, str]:

@@ -29,9 +29,11 @@ class DecodeBatch:
     tokens: mx.array | None = None  # [B] int32: each row's last sampled token, its next input (maybe in flight)
     # Per row: the step whose sample ``tokens`` holds and the row there, until it is read and reported.
     unread: list[tuple[SampledBatch, int] | None] = field(default_factory=list)
-    # With a drafter (engine/drafter.py): per row, the target's normalized hidden state at its newest
-    # position, ``[1, H]`` (the drafter's input with the row's input token); None until a decode gives one.
-    hidden: list[mx.array | None] = field(default_factory=list)
+    # With a drafter (engine/drafter.py): the last forward's recorded hidden states ``[B', W, H]``, and
+    # per row where in them its newest position's is (the drafter's input with the row's input token);
+    # None until a decode gives one.
+    hidden: mx.array | None = None
+    hidden_at: list[tuple[int, int] | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -52,7 +54,7 @@ class DecodeBatch:
         self.request_ids += request_ids
         self.sampling += sampling
         self.unread += [None] * len(request_ids)  # their first tokens went out with their prefill
-        self.hidden += [None] * len(request_ids)
+        self.hidden_at += [None] * len(request_ids)
 
     def remove(self, request_ids: Iterable[str]) -> None:
         gone = set(request_ids)
@@ -64,9 +66,9 @@ class DecodeBatch:
         self.request_ids = [self.request_ids[i] for i in keep]
         self.sampling = [self.sampling[i] for i in keep]
         self.unread = [self.unread[i] for i in keep]
-        self.hidden = [self.hidden[i] for i in keep]
+        self.hidden_at = [self.hidden_at[i] for i in keep]
         if not keep:
-            self.cache, self.row_state, self.tokens = None, {}, None
+            self.cache, self.row_state, self.tokens, self.hidden = None, {}, None, None
             return
         index = mx.array(keep)
         for layer in self.cache or []:
@@ -74,6 +76,10 @@ class DecodeBatch:
         self.row_state = {k: v[index] for k, v in self.row_state.items()}
         assert self.tokens is not None
         self.tokens = self.tokens[index]
+
+    def record_hidden(self, hidden: mx.array, columns: list[int]) -> None:
+        """A forward's recorded hidden states; each row's newest position is at its ``columns`` entry."""
+        self.hidden, self.hidden_at = hidden, [(row, column) for row, column in enumerate(columns)]
 
     def read_unread(self) -> dict[str, Sample]:
         """Read every row's unread input now (it waits for the step computing it): the samples not

@@ -33,6 +33,7 @@ class StepCosts:
     decode_step_s: float = 0.0
     sync_step_s: float = 0.0  # a decode step read at once (not pipelined), as a verify step is: probed once
     pixel_s: float = 0.0  # the vision tower's seconds per pixel value (running average)
+    draft_token_s: float = 0.0  # a drafter model's seconds per draft token proposed (running average)
 
     def observe(self, seconds: float, prompt_tokens: float, vision_s: float) -> None:
         """One step that decoded: what its decode took, once its prompt and vision work are taken off."""
@@ -44,6 +45,11 @@ class StepCosts:
         """A step's vision work: per pixel value, as images of any size go through the tower."""
         if pixels > 0 and vision_s > 0:
             self.pixel_s = _average(self.pixel_s, vision_s / pixels)
+
+    def observe_drafts(self, seconds: float, tokens: int) -> None:
+        """A step's drafter work: per draft token (a row's ``k`` tokens are ``k`` small forwards)."""
+        if tokens > 0 and seconds > 0:
+            self.draft_token_s = _average(self.draft_token_s, seconds / tokens)
 
     def pixel_tokens(self) -> float:
         """The tower's cost per pixel value, in prompt tokens' time: encodes come out of a step's budget."""

@@ -80,32 +80,76 @@ class Drafter:
         sink: list[mx.array] = []
         return {**row_state, "hidden_sink": sink}, sink
 
-    def rows_hidden(self, sink: list[mx.array], positions: list[int]) -> list[mx.array | None]:
-        """Each row's drafter input from a forward's recorded hidden state ``[B, W, H]``: the normalized
-        state at the row's position ``positions[row]`` (its newest kept one), ``[1, H]`` each."""
-        hidden = sink[0] if len(sink) == 1 else mx.concatenate(sink, axis=1)  # a verify in blocks records each
-        picked = hidden[mx.arange(len(positions)), mx.array(positions)]
-        normed = cast(mx.array, self.target.speculative_draft_hidden(picked))
-        rows: list[mx.array | None] = [normed[i:i + 1] for i in range(len(positions))]
-        return rows
+    @staticmethod
+    def recorded(sink: list[mx.array]) -> mx.array:
+        """A forward's recorded last hidden state, ``[B, W, H]`` (before the final norm)."""
+        return sink[0] if len(sink) == 1 else mx.concatenate(sink, axis=1)  # a verify in blocks records each
 
-    def propose(self, cache: list[Any], rows: list[int], inputs: list[int], hidden: list[mx.array],
-                k: int) -> list[tuple[int, ...]]:
+    def propose(self, cache: list[Any], rows: list[int], inputs: list[int], hidden: mx.array, k: int
+                ) -> list[tuple[int, ...]]:
         """``k`` draft tokens for each of the batch rows ``rows``, whose inputs are ``inputs`` and whose
-        hidden states (``rows_hidden``) are ``hidden``; read on the host."""
-        drafts = []
-        for row, token, state in zip(rows, inputs, hidden):
-            shared = {}
-            length = 0
-            for layer_type, index in self.sources.items():
-                one = cache[index].extract(row)  # the row alone: temporal order, no padding
-                shared[layer_type] = (one.keys, one.values)
-                length = max(length, int(one.offset))
-            self.model.set_shared_kv(shared, length, position=length - 1, kv_valid_len=length)
-            drafts.append(self.model.draft_block(token, state[None], None, k + 1, _argmax, greedy=True))
-        tokens = cast(list[list[int]], mx.concatenate(drafts).tolist())
+        recorded hidden states (before the norm) are ``hidden`` (``[n, H]``); read on the host.
+
+        All rows in one forward per token. What a row sees is what mlx-vlm's round loop shows its drafter
+        for that row alone (``set_shared_kv``, ``draft_block``): every key of its own in the full layer;
+        in the sliding one those in the target's window at its position. Keys stay where the batch's
+        caches hold them (right-aligned, a rotated window in place): attention does not depend on the
+        keys' order, only on which are masked, so nothing is copied.
+        """
+        model = self.model
+        index = mx.array(rows)
+        every = rows == list(range(rows[-1] + 1)) and len(rows) == _batch_size(cache)
+        shared, masks, lengths = {}, {}, None
+        for layer_type, source in self.sources.items():
+            keys, values, valid, lengths = _row_keys(cache[source], self._window(layer_type))
+            if not every:
+                keys, values, valid, lengths = keys[index], values[index], valid[index], lengths[index]
+            shared[layer_type] = (keys, values)
+            masks[layer_type] = mx.where(valid, 0.0, -mx.inf).astype(keys.dtype)[:, None, None, :]
+        assert lengths is not None
+        position = lengths - 1  # the drafter's position stays the row's newest throughout (draft_block)
+        state = cast(mx.array, self.target.speculative_draft_hidden(hidden))[:, None, :]
+        token = mx.array(inputs, dtype=mx.int32)[:, None]
+        drafted = []
+        for _ in range(k):
+            h = model.pre_projection(mx.concatenate([model._input_embed(token) * model._input_embed_scale, state], -1))
+            for layer in model.model.layers:
+                h, _, _ = layer(h, mask=masks[layer.layer_type], cache=None, per_layer_input=None,
+                                shared_kv=shared[layer.layer_type], offset=position)
+            h = model.model.norm(h)
+            state = model.post_projection(h)
+            if model.masked_embedding is not None:
+                token = model.masked_embedding.argmax(h, model.model.embed_tokens.weight).astype(mx.int32)
+            else:
+                token = mx.argmax(model._lm_head_fn(h), axis=-1).astype(mx.int32)
+            drafted.append(token)
+        tokens = cast(list[list[int]], mx.concatenate(drafted, axis=1).tolist())
         return [tuple(t) for t in tokens]
 
+    def _window(self, layer_type: str) -> int | None:
+        window = self.model.config.text_config.sliding_window
+        return int(window) if layer_type == "sliding_attention" else None
 
-def _argmax(logits: mx.array) -> mx.array:
-    return mx.argmax(logits, axis=-1).astype(mx.int32)
+
+def _batch_size(cache: list[Any]) -> int:
+    return int(cache[0].offset.shape[0])
+
+
+def _row_keys(layer: Any, window: int | None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """A batch cache's keys and values as stored, which of them each row's drafter query sees, and each
+    row's length. Rows end together (right-aligned, their left padding before them); a full rotating
+    window is a ring whose slot ``_idx`` holds the oldest key."""
+    lengths = layer.offset.astype(mx.int32)  # per row: the positions in it
+    if window is None:  # BatchKVCache
+        stored = layer._idx
+        keys, values = layer.keys[..., :stored, :], layer.values[..., :stored, :]
+        age = stored - 1 - mx.arange(stored)  # slot j holds the row's position lengths - 1 - age
+    else:  # BatchRotatingKVCache: its slots in time order, wherever the ring starts
+        stored = min(layer._offset, layer.keys.shape[2])
+        keys, values = layer.keys[..., :stored, :], layer.values[..., :stored, :]
+        order = (mx.arange(stored) - (layer._idx if layer.rotated else 0)) % stored
+        age = stored - 1 - order
+    valid = age[None, :] < lengths[:, None]  # not the row's left padding
+    if window is not None:  # the target's own window: its newest position and the window - 1 before it
+        valid = valid & (age[None, :] < window)
+    return keys, values, valid, lengths

@@ -146,3 +146,5 @@ class RunnerOutput:
     more: dict[str, list[Sample]] = field(default_factory=dict)
     verified: dict[str, tuple[int, int]] = field(default_factory=dict)  # per row: draft tokens verified, accepted
     unread: set[str] = field(default_factory=set)  # decode rows whose newest token is still computing
+    draft_seconds: float = 0.0  # spent by the drafter model proposing ``draft_tokens`` tokens
+    draft_tokens: int = 0

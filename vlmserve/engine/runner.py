@@ -333,8 +333,8 @@ class ModelRunner:
         logits = self.adapter.decode(batch.tokens[:, None], batch.cache, row_state)
         step = sample(logits, batch.sampling, batch.tokens, guided.allowed(batch.sampling, logits.shape[-1]))
         if self.drafter is not None and sink:
-            batch.hidden = self.drafter.rows_hidden(sink, [0] * len(batch))
-        mx.async_eval(*step.arrays(), *[h for h in batch.hidden if h is not None])  # type: ignore[no-untyped-call]
+            batch.record_hidden(self.drafter.recorded(sink), [0] * len(batch))
+        mx.async_eval(*step.arrays())  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
         return batch.advance(step)
 
     def _verify(self, plan: SchedulerOutput, out: RunnerOutput) -> None:
@@ -343,7 +343,9 @@ class ModelRunner:
         was wrong, or no drafter row has a hidden state yet), a plain decode step."""
         step = read_drafts(self.batch, plan.drafts)
         if plan.draft_widths and self.drafter is not None:
-            self._draft(step, plan.draft_widths)
+            start = time.perf_counter()
+            out.draft_tokens = self._draft(step, plan.draft_widths)
+            out.draft_seconds = time.perf_counter() - start
         out.verified.update(dict.fromkeys(step.missed, (1, 0)))
         if not any(step.rows):
             out.samples.update(step.earlier)
@@ -356,19 +358,22 @@ class ModelRunner:
             out.samples[request_id], out.more[request_id] = tokens[0], tokens[1:]
         out.verified.update(verified.counts)
 
-    def _draft(self, step: StepDrafts, widths: dict[str, int]) -> None:
-        """The drafter's drafts for its rows that have a hidden state, into ``step``."""
+    def _draft(self, step: StepDrafts, widths: dict[str, int]) -> int:
+        """The drafter's drafts for its rows that have a hidden state, into ``step``; returns how many
+        tokens it proposed."""
         assert self.drafter is not None and self.batch.cache is not None
         batch = self.batch
-        rows = [i for i, rid in enumerate(batch.request_ids)
-                if widths.get(rid) and not step.rows[i] and batch.hidden[i] is not None]
-        if not rows:
-            return
-        hidden = [h for i in rows if (h := batch.hidden[i]) is not None]
+        at = {i: where for i, rid in enumerate(batch.request_ids)
+              if widths.get(rid) and not step.rows[i] and (where := batch.hidden_at[i]) is not None}
+        if not at or batch.hidden is None:
+            return 0
+        rows = list(at)
+        hidden = batch.hidden[mx.array([r for r, _ in at.values()]), mx.array([c for _, c in at.values()])]
         k = max(widths[batch.request_ids[i]] for i in rows)
         drafts = self.drafter.propose(self.batch.cache, rows, [step.inputs[i] for i in rows], hidden, k)
         for i, draft in zip(rows, drafts):
             step.rows[i] = draft[:widths[batch.request_ids[i]]]
+        return len(rows) * k
 
     def remove(self, request_ids: Iterable[str]) -> None:
         """Drop finished or aborted requests, prefilling or decoding, and free their KV."""

@@ -185,7 +185,8 @@ class Scheduler:
         if not proposed:
             return {}, {}
         lengths = [d if isinstance(d, int) else len(d) - r.unread for r, d in proposed.values()]
-        width = self.drafts.width([r.acceptance.rate for r, _ in proposed.values()], lengths, len(decoding))
+        modelled = sum(isinstance(d, int) for _, d in proposed.values())
+        width = self.drafts.width([r.acceptance.rate for r, _ in proposed.values()], lengths, len(decoding), modelled)
         if width == 0:
             return {}, {}
         drafts = {rid: tuple(d[:width + r.unread]) for rid, (r, d) in proposed.items()

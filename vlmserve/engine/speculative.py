@@ -180,7 +180,8 @@ class DraftPolicy:
 
     A step of ``B`` rows costs a decode step, pipelined. A verify ``w`` positions wider is read at
     once (the next inputs are known only then), so it costs a step read at once plus ``B * w`` prompt
-    tokens' time (every row goes the same width: ragged drafts are padded). A row with a draft of ``k``
+    tokens' time (every row goes the same width: ragged drafts are padded), plus a drafter model's ``w``
+    tokens for each row it drafts for. A row with a draft of ``k``
     tokens yields ``expected_tokens(rate, min(k, w))``; a row without one yields 1.
     """
 
@@ -188,15 +189,18 @@ class DraftPolicy:
     prompt_token_s: float = 0.0  # measured (engine/costs.py); 0: not yet, every draft goes
     decode_step_s: float = 0.0
     sync_step_s: float = 0.0
+    draft_token_s: float = 0.0  # a drafter model's, per token it proposes
 
     def measured(self, costs: StepCosts) -> None:
         """Take the engine's measured costs."""
         self.prompt_token_s, self.decode_step_s = costs.prompt_token_s, costs.decode_step_s
         self.sync_step_s = max(costs.sync_step_s, costs.decode_step_s)
+        self.draft_token_s = costs.draft_token_s
 
-    def width(self, rates: Sequence[float], drafts: Sequence[int], rows: int) -> int:
+    def width(self, rates: Sequence[float], drafts: Sequence[int], rows: int, modelled: int = 0) -> int:
         """The step's draft width for the ``rows`` decoding rows, of which the drafted ones have
-        acceptance ``rates`` and drafts of ``drafts`` tokens; 0: no verify this step."""
+        acceptance ``rates`` and drafts of ``drafts`` tokens, ``modelled`` of them a drafter model's
+        (``w`` tokens proposed each, at ``draft_token_s``); 0: no verify this step."""
         longest = min(max(drafts, default=0), self.config.num_speculative_tokens)
         if not self.config.adaptive or longest == 0 or self.prompt_token_s <= 0 or self.decode_step_s <= 0:
             return longest
@@ -204,7 +208,7 @@ class DraftPolicy:
         best, best_rate = 0, rows / self.decode_step_s
         for w in range(1, longest + 1):
             tokens = rows - len(drafts) + sum(expected_tokens(r, min(k, w)) for r, k in zip(rates, drafts))
-            rate = tokens / (synced + rows * w * self.prompt_token_s)
+            rate = tokens / (synced + rows * w * self.prompt_token_s + modelled * w * self.draft_token_s)
             if rate > best_rate:
                 best, best_rate = w, rate
         return best

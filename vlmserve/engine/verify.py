@@ -83,7 +83,7 @@ def verify(adapter: ModelAdapter, batch: DecodeBatch, drafts: StepDrafts, errors
         raise
     adapter.commit(transaction, batch.cache, accepted, width)
     if drafter is not None and sink:
-        batch.hidden = drafter.rows_hidden(sink, accepted)
+        batch.record_hidden(drafter.recorded(sink), accepted)
     guided.roll_back(batch.sampling, [len(d) - a for d, a in zip(rows, accepted)])
     batch.set_inputs([p[-1].token_id for p in picked])
     counts = {rid: (len(d), a) for rid, d, a in zip(batch.request_ids, rows, accepted) if d}
