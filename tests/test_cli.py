@@ -182,3 +182,19 @@ def _help(command: str) -> str:
 
     sub = next(a for a in _parser()._actions if isinstance(a.choices, dict))  # noqa: SLF001
     return sub.choices[command].format_help()
+
+
+def test_draft_model_is_the_mtp_config_and_the_demo_drafter_goes_by_name():
+    from vlmserve.cli import _parser, serve_config
+    from vlmserve.config import DEMO_DRAFTER_DIR
+
+    config = serve_config(_parser().parse_args(["serve", "--draft-model", "demo-gemma4-assistant",
+                                                "--draft-block-size", "3"]))
+    spec = config.engine.speculative
+    assert spec is not None and (spec.method, spec.model, spec.num_speculative_tokens) == ("mtp", str(DEMO_DRAFTER_DIR), 2)
+    assert (DEMO_DRAFTER_DIR / "model.safetensors").is_file()  # package data
+    same = serve_config(_parser().parse_args(["serve", "--speculative-config",
+                                              '{"method": "mtp", "model": "demo-gemma4-assistant"}']))
+    assert same.engine.speculative is not None and same.engine.speculative.model == str(DEMO_DRAFTER_DIR)
+    both = serve_config(_parser().parse_args(["serve", "--draft-model", "x", "--speculative-config", "{}"]))
+    assert isinstance(both, str) and "one of them" in both
