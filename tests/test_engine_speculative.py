@@ -253,16 +253,20 @@ def test_seeded_sampling_repeats_exactly_with_drafts(gemma4: Family) -> None:
         assert again.token_ids == plain, f"seed {seed}"
 
 
-def test_a_two_turn_chat_about_a_picture_under_the_image_prefix_cache(gemma4: Family) -> None:
+def _two_turns(family: Family) -> tuple[PromptInputs, list[int], PromptInputs]:
+    """A chat about a picture: turn 1's prompt, its greedy reply (8 tokens), and turn 2's prompt."""
     red = scene("circle", (220, 30, 30))
-    engine = gemma4.engine
+    engine = family.engine
     first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "describe it"}]}]
     turn1 = engine.prompter.build(first, [red])
-    reply1 = gemma4.reference(turn1, 8)
-    answer = engine.prompter.detokenize(reply1)
-    second = [*first, {"role": "assistant", "content": answer},
+    reply1 = family.reference(turn1, 8)
+    second = [*first, {"role": "assistant", "content": engine.prompter.detokenize(reply1)},
               {"role": "user", "content": [{"type": "text", "text": "again, " + TEXT}]}]
-    turn2 = engine.prompter.build(second, [red])
+    return turn1, reply1, engine.prompter.build(second, [red])
+
+
+def test_a_two_turn_chat_about_a_picture_under_the_image_prefix_cache(gemma4: Family) -> None:
+    turn1, reply1, turn2 = _two_turns(gemma4)
     want = gemma4.reference(turn2, GREEDY.max_tokens)
     got1 = gemma4.run(gemma4.tokens("c1", turn1, dataclasses.replace(GREEDY, max_tokens=8, prediction=_edited(reply1))))
     got2 = _outputs(gemma4, "c2", turn2, dataclasses.replace(GREEDY, prediction=_edited(want)))
@@ -394,14 +398,7 @@ def test_a_drafters_rows_keep_the_targets_logprobs_grammar_and_seeded_samples(dr
 
 
 def test_a_drafter_in_a_two_turn_chat_about_a_picture_under_the_image_prefix_cache(drafted: Family) -> None:
-    red = scene("circle", (220, 30, 30))
-    engine = drafted.engine
-    first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "describe it"}]}]
-    turn1 = engine.prompter.build(first, [red])
-    reply1 = drafted.reference(turn1, 8)
-    second = [*first, {"role": "assistant", "content": engine.prompter.detokenize(reply1)},
-              {"role": "user", "content": [{"type": "text", "text": "again, " + TEXT}]}]
-    turn2 = engine.prompter.build(second, [red])
+    turn1, reply1, turn2 = _two_turns(drafted)
     assert drafted.run(drafted.tokens("mc1", turn1, dataclasses.replace(GREEDY, max_tokens=8))) == reply1
     got2 = _outputs(drafted, "mc2", turn2, GREEDY)
     assert got2.token_ids == drafted.reference(turn2, GREEDY.max_tokens) and got2.num_cached_tokens > 0

@@ -45,31 +45,38 @@ def _train_command(args: argparse.Namespace) -> int:
 
 
 def _train_drafter_command(args: argparse.Namespace) -> int:
-    from vlmserve.testing.demo import demo_model_path
     from vlmserve.testing.demo.drafter import train_drafter
 
     if args.steps < 1:
         return usage_error("--steps must be at least 1")
-    try:
-        target = args.model or demo_model_path()
-    except FileNotFoundError as exc:
-        return usage_error(str(exc))
+    target = _model_or_demo(args.model)
+    if isinstance(target, str):
+        return usage_error(target)
     info = train_drafter(target, args.out, steps=args.steps, seed=args.seed)
     print(f"{args.out}: held-out accuracy per drafted token {info['held_out_accuracy_per_depth']}")
     return 0
 
 
 def _eval_command(args: argparse.Namespace) -> int:
-    from vlmserve.testing.demo import demo_model_path, evaluate_demo
+    from vlmserve.testing.demo import evaluate_demo
 
     if args.n < 1:
         return usage_error("--n must be at least 1")
-    try:
-        path = args.model or demo_model_path()
-    except FileNotFoundError as exc:
-        return usage_error(str(exc))
+    path = _model_or_demo(args.model)
+    if isinstance(path, str):
+        return usage_error(path)
     print(format_scores(evaluate_demo(path, n=args.n)))
     return 0
+
+
+def _model_or_demo(model: Path | None) -> Path | str:
+    """``--model``, else the built-in demo model; what is wrong where it is missing."""
+    from vlmserve.testing.demo import demo_model_path
+
+    try:
+        return model or demo_model_path()
+    except FileNotFoundError as exc:
+        return str(exc)
 
 
 def format_scores(scores: dict[str, Any]) -> str:
