@@ -30,11 +30,6 @@ class BatchEmbedAdapter(ModelAdapter):
         # Not SmolVLM: its spans hold newline text tokens between tile rows.
         return str(getattr(self.model.config, "model_type", "")) == "lfm2_vl"
 
-    @property
-    def verifies_drafts(self) -> bool:
-        # LFM2-VL's short convolutions write their state without mlx-vlm's speculative records, so a
-        # verify's cache cannot be cut back to a row's accepted tokens (mlx-vlm refuses the commit).
-        return str(getattr(self.model.config, "model_type", "")) != "lfm2_vl"
 
 
 _ADAPTERS: tuple[type[ModelAdapter], ...] = (

@@ -100,6 +100,15 @@ class ModelAdapter:
         return True
 
     @property
+    def exact_verifier(self) -> bool:
+        """Does the language model verify drafts with its own exact verifier (``speculative_verify``)?
+        Qwen3.5 and LFM2 do: it records their recurrent and convolution states at each position, so a
+        row's state after its last accepted token can be kept (``rollback_speculative_cache``)."""
+        lm = self.language_model
+        own = callable(getattr(lm, "speculative_verify_logits", None))  # Qwen3.5
+        return own or type(lm).__module__.startswith("mlx_vlm.models.lfm2")
+
+    @property
     def mm_prefix_limit(self) -> int | None:
         """The longest image prompt whose prefix may be reused (None: any); sliding-window layers keep
         only their window, so beyond it a restored prefix is not what a whole prefill computes."""
@@ -276,7 +285,7 @@ class ModelAdapter:
         speculative cache transaction; returns each position's logits ``[B, W, vocab]`` and the
         transaction, for ``commit``."""
         lm = self.language_model
-        if callable(getattr(lm, "speculative_verify_logits", None)):  # Qwen3.5's own exact verifier
+        if self.exact_verifier:  # the family's own exact verifier (Qwen3.5's, LFM2's): recurrent state kept
             out = lm(tokens, cache=cache, speculative_verify=True, **row_state)
             transaction = out.gdn_states
         else:
