@@ -301,10 +301,11 @@ def _prompt_logprobs(choice: Choice, scored: tuple[Any, ...], tokenizer: Any) ->
 
 
 def _logprobs(choice: Choice, out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
-    """This step's tokens in the legacy shape, appended to the choice's too."""
+    """This step's tokens in the legacy shape, appended to the choice's too; a stop token that ended it
+    comes last, as vLLM lists it (its text is not in the completion)."""
     new: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = len(choice.text)  # before this step's text joins it
-    for lp in out.logprobs:
+    for lp in (*out.logprobs, out.stop_logprob):
         if lp is None:
             continue
         text, _ = token_text_and_bytes(tokenizer, lp.token_id)

@@ -48,6 +48,7 @@ class _Pending:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[object] = field(default_factory=list)
     prompt_logprobs: tuple[object, ...] | None = None
+    stop_logprob: object = None  # the logprob of the stop token that ended it (not output), when asked
     finish: RequestStatus | None = None
     error: str | None = None
 
@@ -226,13 +227,16 @@ class EngineCore:
         for update in updates:
             req = update.request
             pending = self._pending_for(req)
+            sample = update.sample
+            if sample is not None:  # the prompt's logprobs, whatever its first token does (a stop token too)
+                pending.prompt_logprobs = sample.prompt_logprobs or pending.prompt_logprobs
             if update.token_id is not None:
-                sample = update.sample
                 assert sample is not None
                 pending.tokens.append(update.token_id)
                 pending.logprobs.append(sample.logprob)
-                pending.prompt_logprobs = sample.prompt_logprobs or pending.prompt_logprobs
                 m.generated_tokens += 1
+            elif sample is not None and update.finish is RequestStatus.FINISHED_STOPPED:
+                pending.stop_logprob = sample.logprob  # vLLM lists it; lm-eval drops it as "the generated one"
             if update.finish is not None:
                 self._requests.pop(req.request_id, None)
                 pending.finish, pending.error = update.finish, update.error
@@ -268,7 +272,8 @@ class EngineCore:
         outputs = tuple(
             StepOutput(p.request_id, tuple(p.tokens), tuple(p.logprobs), p.finish.value if p.finish else None,
                        p.error, p.req.num_prompt_tokens if p.req else 0, p.req.num_cached_tokens if p.req else 0,
-                       self.metrics.steps, p.prompt_logprobs, *(p.req.prediction_usage if p.req else (0, 0)))
+                       self.metrics.steps, p.prompt_logprobs, *(p.req.prediction_usage if p.req else (0, 0)),
+                       p.stop_logprob)
             for p in self._pending.values()
         )
         self._pending.clear()

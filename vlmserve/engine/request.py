@@ -48,6 +48,7 @@ class StepOutput:
     # OpenAI's prediction, so far: its tokens the output kept, and those it did not (verified, rejected)
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    stop_logprob: Any = None  # the stop token that ended it (not among ``token_ids``): its logprob, when asked
 
 
 @dataclass(slots=True)

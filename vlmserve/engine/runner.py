@@ -250,6 +250,8 @@ class ModelRunner:
         assert row.prompt_logprobs is not None
         logits = self.adapter.prefill(row.input_ids, embedded, chunk.start, chunk.end, row.cache, every_position=True)
         targets = row.input_ids[0, chunk.start + 1:chunk.end + 1]  # the token each position predicts
+        if targets.shape[0] == 0:  # the prompt's last token predicts nothing of it (a one-token prompt's)
+            return logits[-1:]
         scored = logits[: targets.shape[0]].astype(mx.float32)
         scored = scored - mx.logsumexp(scored, axis=-1, keepdims=True)
         chosen = mx.take_along_axis(scored, targets[:, None], axis=-1)[:, 0]

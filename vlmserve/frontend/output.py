@@ -29,6 +29,7 @@ class RequestOutput:
     stop_string: str | None = None  # the stop string that ended it (vLLM's stop_reason), with the last output
     accepted_prediction_tokens: int = 0  # OpenAI's prediction: its drafted tokens the output kept so far
     rejected_prediction_tokens: int = 0  # and those it did not
+    stop_logprob: Any = None  # the stop token that ended it, not output: its logprob (vLLM lists it), when asked
 
     @property
     def finished(self) -> bool:
@@ -59,7 +60,7 @@ class OutputProcessor:
             out.request_id, text, out.token_ids, out.logprobs, finish or out.finish_reason,
             out.num_prompt_tokens, self.num_completion_tokens, out.num_cached_tokens, out.error, out.step,
             out.prompt_logprobs, self.stop_string if finish else None, out.accepted_prediction_tokens,
-            out.rejected_prediction_tokens,
+            out.rejected_prediction_tokens, out.stop_logprob,
         )
 
     def _apply_stop(self, text: str, final: bool) -> tuple[str, str | None]:
