@@ -18,14 +18,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from vlmserve.api.errors import bad_request
-from vlmserve.api.messages import chat_request
+from vlmserve.api.messages import chat_request, extensions
 from vlmserve.api.schemas import ChatCompletionRequest
 
 IMAGE_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
 
 
 class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # cache_control, service_tier, container: nothing to do here
+    # cache_control, service_tier, container: nothing to do here; vLLM's sampling extensions: as on chat
+    model_config = ConfigDict(extra="allow")
 
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -68,6 +69,7 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletion
         body.update(max_tokens=req.max_tokens, stream=req.stream, temperature=req.temperature, top_p=req.top_p,
                     top_k=req.top_k, stop=req.stop_sequences)
         body["response_format"] = _format((req.output_config or {}).get("format"))
+        body.update(extensions(req.model_extra, body))
     if req.tools:
         body["tools"] = [_tool(t, f"tools.{i}") for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:

@@ -26,7 +26,7 @@ from vlmserve.api.responses import create_response
 from vlmserve.api.responses_input import ResponsesRequest
 from vlmserve.api.schemas import ChatCompletionRequest
 from vlmserve.api.state import ServedModel, ServerState
-from vlmserve.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from vlmserve.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from vlmserve.frontend.async_engine import STARTING_RETRY_S
 
 log = logging.getLogger(__name__)
@@ -159,6 +159,10 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize_(body: TokenizeRequest) -> dict[str, Any]:
         return await tokenize(body, state)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_(model: str | None = None) -> dict[str, Any]:
+        return await tokenizer_info(model, state)
+
     @app.post("/detokenize")
     async def detokenize_(body: DetokenizeRequest) -> dict[str, str]:
         return await detokenize(body, state)
@@ -224,7 +228,7 @@ class RequireKey:
 
 def _keyed(path: str) -> bool:
     """The paths the API key guards: the API, and the tokenizer (it runs phase 1, images and all)."""
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 async def _reject(error: APIError, scope: dict[str, Any], receive: Any, send: Any,

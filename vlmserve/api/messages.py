@@ -53,6 +53,30 @@ def template_kwargs(defaults: Mapping[str, Any], given: Mapping[str, Any] | None
     return merged
 
 
+# vLLM's sampling extensions, as a chat request takes them: Responses and Messages honour them the same way
+HONOURED_EXTENSIONS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
+                       "frequency_penalty", "repetition_penalty", "logit_bias")
+# vLLM's sampling extensions this server does not run, with the value that asks for nothing: another is a 400
+UNHONOURED_EXTENSIONS: dict[str, Any] = {
+    "min_tokens": 0, "best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
+    "allowed_token_ids": None, "bad_words": None,
+}  # fmt: skip
+
+
+def extensions(extra: Mapping[str, Any] | None, own: Mapping[str, Any]) -> dict[str, Any]:
+    """The vLLM sampling extensions among another API's unknown fields ``extra``, to pass on to the chat
+    request (``own``: what the API's own fields already set, which wins); a 400 naming one that asks for
+    what no endpoint here does. Fields of neither kind are the API's own that need nothing here."""
+    extra = extra or {}
+    for name, nothing in UNHONOURED_EXTENSIONS.items():
+        value = extra.get(name)
+        if value not in (None, nothing, []):
+            raise bad_request(f"{name}: this server does not support it (vLLM's sampling extension)", name,
+                              "unsupported_value")
+    return {name: extra[name] for name in HONOURED_EXTENSIONS if name in extra and own.get(name) is None}
+
+
 def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     """A chat request built from another API's body (Responses, /tokenize); its first invalid field is a 400."""
     try:

@@ -14,12 +14,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from vlmserve.api.errors import bad_request
-from vlmserve.api.messages import chat_request
+from vlmserve.api.messages import chat_request, extensions
 from vlmserve.api.schemas import ChatCompletionRequest
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # vLLM's sampling extensions among them (messages.extensions)
 
     model: str
     input: str | list[dict[str, Any]]
@@ -53,6 +53,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream,
                             "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
                             "chat_template_kwargs": req.chat_template_kwargs}
+    body.update(extensions(req.model_extra, body))
     if req.tools:
         body["tools"] = [_tool(t, f"tools.{i}") for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:

@@ -1,4 +1,4 @@
-"""[loop] POST /tokenize and /detokenize in vLLM's shape, and GET /version.
+"""[loop] POST /tokenize and /detokenize and GET /tokenizer_info in vLLM's shape, and GET /version.
 
 Tokenizing runs on the preprocessing pool (a 30 s tokenization must not stall the loop): a plain
 prompt through the model's tokenizer, or chat messages through the same phase 1 as a chat request
@@ -63,6 +63,13 @@ async def tokenize(req: TokenizeRequest, state: ServerState) -> dict[str, Any]:
     strs = await engine.on_pool(lambda p: p.token_strings(ids)) if req.return_token_strs else None
     limit = engine.loaded.max_context if engine.loaded is not None else None
     return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}
+
+
+async def tokenizer_info(model: str | None, state: ServerState) -> dict[str, Any]:
+    """The tokenizer's configuration and chat template (``?model=``: which model; else the first)."""
+    served = state.model(model) if model else state.models[0]
+    info: dict[str, Any] = await served.engine.on_pool(lambda p: p.tokenizer_info())
+    return info
 
 
 def _chat_body(req: TokenizeRequest, model: str) -> ChatCompletionRequest:

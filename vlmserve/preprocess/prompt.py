@@ -6,6 +6,7 @@ import copy
 import inspect
 import json
 import logging
+import math
 import os
 import queue
 import time
@@ -285,6 +286,20 @@ class PromptBuilder:
         with self._borrowed() as processor:
             return [str(t) for t in tokenizer_of(processor).convert_ids_to_tokens(list(token_ids))]
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's ``GET /tokenizer_info``: the tokenizer's class and configuration (its special tokens as
+        text) and the chat template requests are rendered with (lm-eval's remote tokenizer reads them)."""
+        with self._borrowed() as processor:
+            tokenizer = tokenizer_of(processor)
+            info = {k: plain for k, v in tokenizer.init_kwargs.items()
+                    if k not in _LOCAL and (plain := _plain(v)) is not None}
+            for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+                info[name] = getattr(tokenizer, name, None)
+            info["model_max_length"] = _plain(getattr(tokenizer, "model_max_length", None))
+            info["tokenizer_class"] = type(tokenizer).__name__
+            info["chat_template"] = getattr(templater_of(processor), "chat_template", None)
+            return info
+
     @contextmanager
     def _borrowed(self) -> Iterator[Any]:
         """A private copy of the processor for the body, given back after."""
@@ -393,3 +408,21 @@ def _to_host(value: Any) -> HostArray | None:
     if isinstance(value, list) and value and not isinstance(value[0], (int, float, list)):
         return None
     return np.asarray(value)
+
+
+_LOCAL = frozenset({"name_or_path", "is_local", "local_files_only"})  # where the server keeps its files: not said
+
+
+def _plain(value: Any) -> Any:
+    """A tokenizer setting as JSON (an added token as its text); None where it has no JSON form."""
+    if isinstance(value, (str, bool)) or value is None:
+        return value
+    if isinstance(value, (int, float)):
+        return value if math.isfinite(value) and abs(value) < 2**53 else None  # transformers' "no limit" is 1e30
+    if hasattr(value, "content") and isinstance(value.content, str):  # tokenizers' AddedToken
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): v for k, item in value.items() if (v := _plain(item)) is not None}
+    if isinstance(value, (list, tuple)):
+        return [v for item in value if (v := _plain(item)) is not None]
+    return None
