@@ -123,6 +123,32 @@ def model_name(gemma4_micro) -> str:
 
 
 @pytest.fixture(scope="session")
+def demo_f32_server(tmp_path_factory):
+    """The demo model served in float32, for scores compared with ``demo_reference`` (harness tests)."""
+    from server_utils import start_server
+
+    server = start_server(["--dtype", "float32"], tmp_path_factory.mktemp("logs") / "demo-f32.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_reference() -> Any:
+    """Each token's logprob given those before it (token ids in), from one whole float32 forward of
+    mlx-vlm's demo model, on this thread."""
+    import mlx.core as mx
+    from mlx_vlm import load
+
+    from vlmserve.config import DEMO_MODEL_DIR
+    from vlmserve.engine.params import PromptInputs
+    from vlmserve.testing.reference import reference_prompt_logprobs
+
+    model, _ = load(str(DEMO_MODEL_DIR))
+    model.set_dtype(mx.float32)
+    return lambda ids: reference_prompt_logprobs(model, PromptInputs(list(ids)))
+
+
+@pytest.fixture(scope="session")
 def demo_server(tmp_path_factory):
     """One real ``vlmserve serve`` on the built-in demo model (no --model), for the tests that need
     a model that answers sensibly."""

@@ -20,32 +20,17 @@ from typing import Any
 import httpx
 import pytest
 
-from vlmserve.config import DEMO_MODEL_DIR
-
 PROMPT = "A red circle."
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from server_utils import start_server
-
-    server = start_server(["--dtype", "float32"], tmp_path_factory.mktemp("logs") / "eval.log")
-    yield server
-    server.stop()
+def server(demo_f32_server):
+    return demo_f32_server
 
 
 @pytest.fixture(scope="module")
-def reference() -> Any:
-    """Each token's logprob given those before it, from one whole float32 forward of mlx-vlm's model."""
-    import mlx.core as mx
-    from mlx_vlm import load
-
-    from vlmserve.engine.params import PromptInputs
-    from vlmserve.testing.reference import reference_prompt_logprobs
-
-    model, _ = load(str(DEMO_MODEL_DIR))
-    model.set_dtype(mx.float32)
-    return lambda ids: reference_prompt_logprobs(model, PromptInputs(list(ids)))
+def reference(demo_reference):
+    return demo_reference
 
 
 def _ids(server, text: str) -> list[int]:

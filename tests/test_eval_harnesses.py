@@ -52,12 +52,13 @@ TASKS = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from server_utils import start_server
+def server(demo_f32_server):
+    return demo_f32_server
 
-    server = start_server(["--dtype", "float32"], tmp_path_factory.mktemp("logs") / "lm-eval.log")
-    yield server
-    server.stop()
+
+@pytest.fixture(scope="module")
+def reference(demo_reference):
+    return demo_reference
 
 
 @pytest.fixture(scope="module")
@@ -79,20 +80,6 @@ def tasks(tmp_path_factory, tokenizer) -> Path:
                 "test_split": "test", **spec}
         (folder / f"{name}.yaml").write_text(json.dumps(task))  # YAML reads JSON
     return folder
-
-
-@pytest.fixture(scope="module")
-def reference() -> Any:
-    """Each token's logprob given those before it: one whole float32 forward of mlx-vlm's model."""
-    import mlx.core as mx
-    from mlx_vlm import load
-
-    from vlmserve.engine.params import PromptInputs
-    from vlmserve.testing.reference import reference_prompt_logprobs
-
-    model, _ = load(str(DEMO_MODEL_DIR))
-    model.set_dtype(mx.float32)
-    return lambda ids: reference_prompt_logprobs(model, PromptInputs(list(ids)))
 
 
 def _chat(tokenizer: Any, question: str) -> str:
