@@ -467,6 +467,28 @@ def test_the_drafter_proposes_what_mlx_vlms_own_round_loop_does(drafted: Family)
     assert agreed >= 20 and len(past) >= 5, (sorted(theirs), sorted(ours))
 
 
+def test_a_drafter_serves_a_4_bit_target(gemma4_micro: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Most served models are 4-bit: the drafter takes the target's serving dtype from a float tensor
+    (a quantized embedding's weight is packed integers)."""
+    config = SpeculativeConfig(method="mtp", model=str(_assistant(tmp_path_factory, gemma4_micro)), adaptive=False)
+    family = _start(build_model("gemma4", "micro", quant_bits=4), speculative=config, prefix_cache=False)
+    try:
+        prompt = family.prompt(TEXT)
+        assert family.run(family.tokens("q4", prompt, GREEDY)) == family.reference(prompt, GREEDY.max_tokens)
+        m = family.engine.metrics
+        assert m is not None and m.spec_drafts > 0
+        drafter = family.engine.loaded.drafter
+        assert drafter is not None
+
+        def dtypes() -> set[str]:
+            from mlx.utils import tree_flatten
+            return {str(v.dtype) for _, v in tree_flatten(drafter.model.parameters())}
+
+        assert family.engine.worker.call(dtypes) == {"mlx.core.float32"}  # as the target serves, not packed ints
+    finally:
+        _stop(family)
+
+
 def test_a_drafter_that_cannot_serve_its_target_is_refused_at_load_in_one_line(
         gemma4_micro: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
     from vlmserve.engine.loader import ModelLoadError

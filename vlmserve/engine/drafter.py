@@ -9,10 +9,9 @@ any others (engine/verify.py): a drafter changes how many tokens a step keeps, n
 
 The hidden state comes out of the target's own decode and verify forwards (``hidden_sink``: mlx-vlm's
 Gemma 4 records its last decoder layer's output there), so it costs nothing to keep; a row that has
-just joined the batch has none yet and decodes plainly for one step. Each row drafts on its own, its
-KV taken from the batch's caches as a one-row cache (``extract``, in temporal order and without the
-batch's padding), as mlx-vlm drafts rows at different positions: each has its own rotary position
-and masks.
+just joined the batch has none yet and decodes plainly for one step. Every drafting row goes in one
+forward per token, each at its own rotary position, reading the keys where the batch's caches hold
+them, with a mask per row (``propose``).
 """
 
 from __future__ import annotations
@@ -51,7 +50,8 @@ class Drafter:
             loaded_drafter: tuple[Any, str] = load_drafter(path, "mtp")
             model, kind = loaded_drafter
         except Exception as exc:  # noqa: BLE001 - any failure to load is the one-line start-up error
-            raise DrafterError(f"drafter {path!r} could not be loaded: {type(exc).__name__}: {exc}") from exc
+            why = " ".join(str(exc).split())  # one line, whatever the loader said
+            raise DrafterError(f"drafter {path!r} could not be loaded: {type(exc).__name__}: {why}") from exc
         model_type = getattr(model.config, "model_type", None)
         if model_type not in SUPPORTED:
             raise DrafterError(f"drafter {path!r} is a {model_type!r}; this server runs "
@@ -64,7 +64,7 @@ class Drafter:
         except ValueError as exc:
             raise DrafterError(f"drafter {path!r} does not fit {name}: {exc}") from exc
         lm = adapter.language_model
-        model.set_dtype(lm.model.embed_tokens.weight.dtype)  # the target's serving dtype (it reads its KV and states)
+        model.set_dtype(lm.model.norm.weight.dtype)  # the target's serving dtype (quantized or not: its norm's)
         model.reset(target)  # binds it: the target's embedding table is its input's
         sources: dict[str, int] = {}
         for i, layer in enumerate(lm.model.layers):  # the last layer of each type; a KV-shared one reads its source's
