@@ -23,16 +23,6 @@ import pytest
 PROMPT = "A red circle."
 
 
-@pytest.fixture(scope="module")
-def server(demo_f32_server):
-    return demo_f32_server
-
-
-@pytest.fixture(scope="module")
-def reference(demo_reference):
-    return demo_reference
-
-
 def _ids(server, text: str) -> list[int]:
     r = httpx.post(server.url + "/tokenize", json={"model": "demo-gemma4", "prompt": text}, timeout=30)
     return r.json()["tokens"]
@@ -69,10 +59,10 @@ def _check_prompt(logprobs: dict[str, list[Any]], ids: list[int], want: list[flo
     assert got[1:] == pytest.approx(want[1:], abs=1e-4)
 
 
-def test_a_continuation_that_ends_at_once_keeps_its_logprobs_and_the_stop_tokens(server, reference):
-    ids = _ids(server, PROMPT)
-    want = reference(ids)
-    choice = _complete(server)
+def test_a_continuation_that_ends_at_once_keeps_its_logprobs_and_the_stop_tokens(demo_f32_server, demo_reference):
+    ids = _ids(demo_f32_server, PROMPT)
+    want = demo_reference(ids)
+    choice = _complete(demo_f32_server)
     assert choice["finish_reason"] == "stop" and choice["text"] == PROMPT  # the model stops at once
     logprobs = choice["logprobs"]
     # the prompt's tokens, then the token the model ended on, as vLLM lists it (lm-eval drops it)
@@ -80,53 +70,55 @@ def test_a_continuation_that_ends_at_once_keeps_its_logprobs_and_the_stop_tokens
     _check_prompt(logprobs, ids, want)
     assert logprobs["token_logprobs"][-1] is not None and logprobs["token_logprobs"][-1] < 0
 
-    streamed = _streamed(server)
+    streamed = _streamed(demo_f32_server)
     assert streamed["text"] == PROMPT and streamed["finish_reason"] == "stop"
     assert streamed["logprobs"]["token_logprobs"] == logprobs["token_logprobs"]
 
 
-def test_max_tokens_0_gives_the_prompts_logprobs_alone(server, reference):
-    ids = _ids(server, PROMPT)
-    for choice in (_complete(server, max_tokens=0), _streamed(server, max_tokens=0)):
+def test_max_tokens_0_gives_the_prompts_logprobs_alone(demo_f32_server, demo_reference):
+    ids = _ids(demo_f32_server, PROMPT)
+    for choice in (_complete(demo_f32_server, max_tokens=0), _streamed(demo_f32_server, max_tokens=0)):
         assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
         assert len(choice["logprobs"]["token_logprobs"]) == len(ids)
-        _check_prompt(choice["logprobs"], ids, reference(ids))
+        _check_prompt(choice["logprobs"], ids, demo_reference(ids))
 
 
-def test_a_one_token_prompt_is_its_token_with_a_null_logprob(server):
-    ids = _ids(server, "A")
-    choice = _complete(server, prompt=ids[:1])
+def test_a_one_token_prompt_is_its_token_with_a_null_logprob(demo_f32_server):
+    ids = _ids(demo_f32_server, "A")
+    choice = _complete(demo_f32_server, prompt=ids[:1])
     logprobs = choice["logprobs"]["token_logprobs"]
     assert logprobs[0] is None and len(logprobs) == 2  # the prompt's one token, then the one generated
 
 
-def test_tokenizer_info_is_what_lm_evals_remote_tokenizer_reads(server):
+def test_tokenizer_info_is_what_lm_evals_remote_tokenizer_reads(demo_f32_server):
     """lm-eval's ``tokenizer_backend=remote``: GET /tokenizer_info (special tokens, chat template), then
     POST /tokenize {"prompt", "add_special_tokens": false} and /detokenize {"tokens"}, no model named."""
-    info = httpx.get(server.url + "/tokenizer_info", timeout=30).json()
+    info = httpx.get(demo_f32_server.url + "/tokenizer_info", timeout=30).json()
     assert info["eos_token"] == "<eos>" and info["bos_token"] == "<bos>" and info["pad_token"] == "<pad>"
     assert "<|turn>" in info["chat_template"] and info["tokenizer_class"]
     assert "name_or_path" not in info  # the server's paths stay its own
-    ids = httpx.post(server.url + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False},
+    ids = httpx.post(demo_f32_server.url + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False},
                      timeout=30).json()["tokens"]
     assert len(ids) == 1
-    text = httpx.post(server.url + "/detokenize", json={"tokens": _ids(server, PROMPT)}, timeout=30).json()["prompt"]
+    tokens = _ids(demo_f32_server, PROMPT)
+    text = httpx.post(demo_f32_server.url + "/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
     assert text.endswith(PROMPT)
 
 
-def test_responses_and_messages_honour_vllms_sampling_extensions_or_refuse_them(server):
+def test_responses_and_messages_honour_vllms_sampling_extensions_or_refuse_them(demo_f32_server):
     ask = {"model": "demo-gemma4", "input": "hi", "max_output_tokens": 40, "temperature": 0}
-    short = httpx.post(server.url + "/v1/responses", json=ask, timeout=60).json()
-    long = httpx.post(server.url + "/v1/responses", json={**ask, "ignore_eos": True}, timeout=60).json()
+    short = httpx.post(demo_f32_server.url + "/v1/responses", json=ask, timeout=60).json()
+    long = httpx.post(demo_f32_server.url + "/v1/responses", json={**ask, "ignore_eos": True}, timeout=60).json()
     assert short["usage"]["output_tokens"] < 40 == long["usage"]["output_tokens"]  # the greeting ends; not here
-    cut = httpx.post(server.url + "/v1/responses", json={**ask, "ignore_eos": True, "stop": ["!"]}, timeout=60).json()
+    cut = httpx.post(demo_f32_server.url + "/v1/responses", json={**ask, "ignore_eos": True, "stop": ["!"]},
+                     timeout=60).json()
     assert cut["usage"]["output_tokens"] < 40  # "Hello! ..." ends at the stop string, ignore_eos or not
 
     claude = {"model": "demo-gemma4", "max_tokens": 40, "messages": [{"role": "user", "content": "hi"}]}
-    r = httpx.post(server.url + "/v1/messages", json={**claude, "ignore_eos": True}, timeout=60).json()
+    r = httpx.post(demo_f32_server.url + "/v1/messages", json={**claude, "ignore_eos": True}, timeout=60).json()
     assert r["usage"]["output_tokens"] == 40
 
     for path, body in (("/v1/responses", {**ask, "min_tokens": 5}), ("/v1/messages", {**claude, "best_of": 2})):
-        r = httpx.post(server.url + path, json=body, timeout=60)
+        r = httpx.post(demo_f32_server.url + path, json=body, timeout=60)
         assert r.status_code == 400, r.text
         assert ("min_tokens" if "min_tokens" in body else "best_of") in r.text

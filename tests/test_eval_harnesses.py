@@ -52,16 +52,6 @@ TASKS = {
 
 
 @pytest.fixture(scope="module")
-def server(demo_f32_server):
-    return demo_f32_server
-
-
-@pytest.fixture(scope="module")
-def reference(demo_reference):
-    return demo_reference
-
-
-@pytest.fixture(scope="module")
 def tokenizer() -> Any:
     from transformers import AutoTokenizer
 
@@ -88,7 +78,7 @@ def _chat(tokenizer: Any, question: str) -> str:
     return text
 
 
-def _lm_eval(server, tasks: Path, out: Path, model: str, tasks_run: str, **model_args: str) -> dict[str, list[Any]]:
+def _lm_eval(tasks: Path, out: Path, model: str, tasks_run: str, **model_args: str) -> dict[str, list[Any]]:
     """``lm-eval run`` as a user runs it; each task's logged samples."""
     args = ",".join(f"{k}={v}" for k, v in {"model": "demo-gemma4", "num_concurrent": "1", "max_retries": "1",
                                              **model_args}.items())
@@ -135,26 +125,26 @@ def _check(samples: dict[str, list[Any]], tokenizer: Any, reference: Any) -> Non
         assert sample["resps"][0][0].strip(), sample  # an answer, cut at the first "."
 
 
-def test_local_completions_with_the_models_tokenizer(server, tasks, tokenizer, reference, tmp_path):
-    samples = _lm_eval(server, tasks, tmp_path / "out", "local-completions", "shapes_mc,shapes_rolling,shapes_gen",
-                       base_url=f"{server.url}/v1/completions", tokenizer_backend="huggingface",
+def test_local_completions_with_the_models_tokenizer(demo_f32_server, tasks, tokenizer, demo_reference, tmp_path):
+    samples = _lm_eval(tasks, tmp_path / "out", "local-completions", "shapes_mc,shapes_rolling,shapes_gen",
+                       base_url=f"{demo_f32_server.url}/v1/completions", tokenizer_backend="huggingface",
                        tokenizer=str(DEMO_MODEL_DIR))
-    _check(samples, tokenizer, reference)
+    _check(samples, tokenizer, demo_reference)
 
 
-def test_local_completions_with_the_servers_tokenizer(server, tasks, tokenizer, reference, tmp_path):
-    samples = _lm_eval(server, tasks, tmp_path / "out", "local-completions", "shapes_mc,shapes_rolling,shapes_gen",
-                       base_url=f"{server.url}/v1/completions", tokenizer_backend="remote")
-    _check(samples, tokenizer, reference)
+def test_local_completions_with_the_servers_tokenizer(demo_f32_server, tasks, tokenizer, demo_reference, tmp_path):
+    samples = _lm_eval(tasks, tmp_path / "out", "local-completions", "shapes_mc,shapes_rolling,shapes_gen",
+                       base_url=f"{demo_f32_server.url}/v1/completions", tokenizer_backend="remote")
+    _check(samples, tokenizer, demo_reference)
 
 
-def test_local_chat_completions_generates_the_servers_own_answers(server, tasks, tmp_path):
-    samples = _lm_eval(server, tasks, tmp_path / "out", "local-chat-completions", "shapes_chat",
-                       base_url=f"{server.url}/v1/chat/completions", tokenizer_backend="none")
+def test_local_chat_completions_generates_the_servers_own_answers(demo_f32_server, tasks, tmp_path):
+    samples = _lm_eval(tasks, tmp_path / "out", "local-chat-completions", "shapes_chat",
+                       base_url=f"{demo_f32_server.url}/v1/chat/completions", tokenizer_backend="none")
     for sample in samples["shapes_chat"]:
         body = {"model": "demo-gemma4", "temperature": 0, "max_tokens": 24,
                 "messages": [{"role": "user", "content": sample["doc"]["question"]}]}
-        own = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+        own = httpx.post(f"{demo_f32_server.url}/v1/chat/completions", json=body, timeout=60).json()
         assert sample["resps"][0][0] == own["choices"][0]["message"]["content"], sample["doc_id"]
     greeted = [s["exact_match"] for s in samples["shapes_chat"] if s["doc"]["question"] in ("hi", "Say hello.")]
     assert greeted == [1.0, 1.0]  # scored as lm-eval scores: its greeting, exactly

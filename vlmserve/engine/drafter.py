@@ -34,11 +34,10 @@ class DrafterError(ValueError):
 class Drafter:
     """A loaded drafter, bound to its target; every call runs on the worker that loaded both."""
 
-    def __init__(self, model: nn.Module, target: nn.Module, sources: dict[str, int], path: str) -> None:
+    def __init__(self, model: nn.Module, target: nn.Module, sources: dict[str, int]) -> None:
         self.model: Any = model
         self.target: Any = target  # the target's language model (its final norm turns hidden states into the drafter's input)
         self.sources = sources  # per attention type the drafter reads: the target layer whose KV it is
-        self.path = path
 
     @classmethod
     def load(cls, path: str, target: nn.Module, family: str, name: str, adapter: ModelAdapter) -> Drafter:
@@ -72,7 +71,7 @@ class Drafter:
         wanted = {layer.layer_type for layer in model.model.layers}
         if not wanted <= sources.keys():
             raise DrafterError(f"drafter {path!r} reads {sorted(wanted)} KV; {name} has {sorted(sources)}")
-        return cls(model, lm, {t: sources[t] for t in wanted}, path)
+        return cls(model, lm, {t: sources[t] for t in wanted})
 
     @staticmethod
     def hidden_sink(row_state: dict[str, mx.array]) -> tuple[dict[str, Any], list[mx.array]]:
@@ -98,7 +97,7 @@ class Drafter:
         """
         model = self.model
         index = mx.array(rows)
-        every = rows == list(range(rows[-1] + 1)) and len(rows) == _batch_size(cache)
+        every = rows == list(range(int(cache[0].offset.shape[0])))  # the whole batch: no rows picked out
         shared, masks, lengths = {}, {}, None
         for layer_type, source in self.sources.items():
             keys, values, valid, lengths = _row_keys(cache[source], self._window(layer_type))
@@ -129,10 +128,6 @@ class Drafter:
     def _window(self, layer_type: str) -> int | None:
         window = self.model.config.text_config.sliding_window
         return int(window) if layer_type == "sliding_attention" else None
-
-
-def _batch_size(cache: list[Any]) -> int:
-    return int(cache[0].offset.shape[0])
 
 
 def _row_keys(layer: Any, window: int | None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
