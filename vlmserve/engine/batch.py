@@ -34,19 +34,25 @@ class DecodeBatch:
     # None until a decode gives one.
     hidden: mx.array | None = None
     hidden_at: list[tuple[int, int] | None] = field(default_factory=list)
+    # A drafter with a KV of its own (engine/mtp.py): its rows, moved with the batch's
+    draft: Any = None
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
     def extend(self, request_ids: list[str], cache: list[Any], row_state: dict[str, mx.array],
-               sampling: list[RowState], tokens: list[int]) -> None:
-        """Append prefilled requests as the last rows; ``cache`` holds their rows (batch caches)."""
+               sampling: list[RowState], tokens: list[int], draft: Any = None) -> None:
+        """Append prefilled requests as the last rows; ``cache`` holds their rows (batch caches), ``draft``
+        their drafter state where the drafter keeps one."""
         assert not set(request_ids) & set(self.request_ids)
         assert not self.request_ids or row_state.keys() == self.row_state.keys(), "rows must carry the same state"
         first = mx.array(tokens, dtype=mx.int32)
         if self.cache is None or self.tokens is None:
-            self.cache, self.row_state, self.tokens = cache, dict(row_state), first
+            self.cache, self.row_state, self.tokens, self.draft = cache, dict(row_state), first, draft
         else:
+            assert (draft is None) == (self.draft is None), "every row has a drafter state, or none"
+            if draft is not None:
+                self.draft.extend(draft)
             for layer, rows in zip(self.cache, cache):
                 layer.extend(rows)
             self.row_state = {k: mx.concatenate([v, row_state[k]]) for k, v in self.row_state.items()}
@@ -68,9 +74,11 @@ class DecodeBatch:
         self.unread = [self.unread[i] for i in keep]
         self.hidden_at = [self.hidden_at[i] for i in keep]
         if not keep:
-            self.cache, self.row_state, self.tokens, self.hidden = None, {}, None, None
+            self.cache, self.row_state, self.tokens, self.hidden, self.draft = None, {}, None, None, None
             return
         index = mx.array(keep)
+        if self.draft is not None:
+            self.draft.filter(index, keep)
         for layer in self.cache or []:
             layer.filter(index)
         self.row_state = {k: v[index] for k, v in self.row_state.items()}

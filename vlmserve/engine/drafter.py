@@ -1,5 +1,9 @@
 """[worker] A drafter model beside the target, on the worker: mlx-vlm's own drafter classes.
 
+Two kinds run here: Gemma 4's assistant (this module) and Qwen3.5's MTP (engine/mtp.py, which keeps a
+KV of its own). ``load`` picks by the drafter's model type; the runner talks to either the same way
+(``hidden_sink``/``recorded`` around a target forward, ``after_decode``/``after_verify``, ``draft``).
+
 Gemma 4's assistant drafters (``gemma4_assistant``, mlx-vlm's ``mtp`` kind) draft from the target's
 state. A decode row's input token was sampled from the target's output at the row's newest position;
 the drafter takes that token's embedding (the target's table), the target's last hidden state there
@@ -16,15 +20,19 @@ them, with a mask per row (``propose``).
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from vlmserve.engine.models import ModelAdapter
+from vlmserve.engine.mtp import MtpDrafter
+
+if TYPE_CHECKING:
+    from vlmserve.engine.batch import DecodeBatch
 
 # Drafter model types this server runs, and the target families they pair with.
-SUPPORTED = {"gemma4_assistant": ("gemma4",)}
+SUPPORTED = {"gemma4_assistant": ("gemma4",), "qwen3_5_mtp": ("qwen3_5",)}
 
 
 class DrafterError(ValueError):
@@ -32,7 +40,9 @@ class DrafterError(ValueError):
 
 
 class Drafter:
-    """A loaded drafter, bound to its target; every call runs on the worker that loaded both."""
+    """A loaded Gemma 4 assistant drafter, bound to its target; every call runs on the worker that loaded both."""
+
+    reads_prompt = False  # it reads the target's KV: nothing of its own to fill from the prompt
 
     def __init__(self, model: nn.Module, target: nn.Module, sources: dict[str, int]) -> None:
         self.model: Any = model
@@ -40,7 +50,7 @@ class Drafter:
         self.sources = sources  # per attention type the drafter reads: the target layer whose KV it is
 
     @classmethod
-    def load(cls, path: str, target: nn.Module, family: str, name: str, adapter: ModelAdapter) -> Drafter:
+    def load(cls, path: str, target: nn.Module, family: str, name: str, adapter: ModelAdapter) -> AnyDrafter:
         """Load the drafter at ``path`` for the model ``target`` (its family's model type ``family``, served as
         ``name``); DrafterError, in one line, where it cannot serve it."""
         from mlx_vlm.speculative.drafters import load_drafter, validate_drafter_compatibility
@@ -64,7 +74,9 @@ class Drafter:
             raise DrafterError(f"drafter {path!r} does not fit {name}: {exc}") from exc
         lm = adapter.language_model
         model.set_dtype(lm.model.norm.weight.dtype)  # the target's serving dtype (quantized or not: its norm's)
-        model.reset(target)  # binds it: the target's embedding table is its input's
+        model.reset(target)  # binds it: the target's embedding table (and head) are its own
+        if model_type == "qwen3_5_mtp":
+            return MtpDrafter(model, lm)
         sources: dict[str, int] = {}
         for i, layer in enumerate(lm.model.layers):  # the last layer of each type; a KV-shared one reads its source's
             sources[layer.layer_type] = lm.model.previous_kvs[i]
@@ -83,6 +95,24 @@ class Drafter:
     def recorded(sink: list[mx.array]) -> mx.array:
         """A forward's recorded last hidden state, ``[B, W, H]`` (before the final norm)."""
         return sink[0] if len(sink) == 1 else mx.concatenate(sink, axis=1)  # a verify in blocks records each
+
+    def after_decode(self, batch: DecodeBatch, tokens: mx.array, hidden: mx.array) -> list[mx.array]:
+        """A decode forward's hidden states: each row's newest position's (nothing to evaluate with it)."""
+        batch.record_hidden(hidden, [0] * len(batch))
+        return []
+
+    def after_verify(self, batch: DecodeBatch, picked: list[list[int]], hidden: mx.array) -> None:
+        """A verify forward's hidden states: each row's newest kept position is its ``len(picked) - 1``."""
+        batch.record_hidden(hidden, [len(p) - 1 for p in picked])
+
+    def draft(self, batch: DecodeBatch, rows: list[int], inputs: list[int], k: int) -> dict[int, tuple[int, ...]]:
+        """``k`` draft tokens for the batch rows ``rows`` (inputs: every row's) that have a hidden state."""
+        at = {i: where for i in rows if (where := batch.hidden_at[i]) is not None}
+        if not at or batch.hidden is None or batch.cache is None:
+            return {}
+        picked = list(at)
+        hidden = batch.hidden[mx.array([r for r, _ in at.values()]), mx.array([c for _, c in at.values()])]
+        return dict(zip(picked, self.propose(batch.cache, picked, [inputs[i] for i in picked], hidden, k)))
 
     def propose(self, cache: list[Any], rows: list[int], inputs: list[int], hidden: mx.array, k: int
                 ) -> list[tuple[int, ...]]:
@@ -148,3 +178,6 @@ def _row_keys(layer: Any, window: int | None) -> tuple[mx.array, mx.array, mx.ar
     if window is not None:  # the target's own window: its newest position and the window - 1 before it
         valid = valid & (age[None, :] < window)
     return keys, values, valid, lengths
+
+
+AnyDrafter = Drafter | MtpDrafter

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from vlmserve.engine.drafter import Drafter, DrafterError
+from vlmserve.engine.drafter import AnyDrafter, Drafter, DrafterError
 from vlmserve.engine.engine_config import DEFAULT_DTYPE, DTYPES
 from vlmserve.engine.models import ModelAdapter, UnsupportedModelError, adapter_for
 from vlmserve.engine.speculative import SpeculativeConfig
@@ -41,7 +41,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     max_context: int
     load_seconds: float
-    drafter: Drafter | None = None  # speculative decoding's drafter model (engine/drafter.py), loaded beside it
+    drafter: AnyDrafter | None = None  # speculative decoding's drafter model (engine/drafter.py), loaded beside it
 
     @property
     def tokenizer(self) -> Any:
@@ -246,7 +246,7 @@ def configure_process() -> None:
             mx.set_wired_limit(int(mx.device_info()["max_recommended_working_set_size"]))
 
 
-def load_drafter(spec: SpeculativeConfig, loaded: LoadedModel, pipeline: bool) -> Drafter:
+def load_drafter(spec: SpeculativeConfig, loaded: LoadedModel, pipeline: bool) -> AnyDrafter:
     """``spec``'s drafter model for ``loaded``, on the worker; ModelLoadError (the server exits, one line)
     where it cannot serve it."""
     assert spec.model is not None

@@ -28,6 +28,7 @@ from vlmserve.engine.caches import EngineCaches
 from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.models import Embedded
 from vlmserve.engine.models.base import tapped
+from vlmserve.engine.mtp import DraftRows, MtpDrafter
 from vlmserve.engine.params import HostArray, ImageItem, PromptInputs, SamplingParams
 from vlmserve.engine.plan import (
     EncodeChunk,
@@ -57,6 +58,7 @@ class PromptRow:
     vision_hidden: mx.array | None = None  # its image split by tower blocks: the state after those done
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: each position's so far
     forks: dict[str, SamplingParams] = field(default_factory=dict)  # n > 1: rows copied from it at its end
+    draft: DraftRows | None = None  # a drafter with a KV of its own: the prompt's positions in it so far
 
 
 class ModelRunner:
@@ -215,17 +217,23 @@ class ModelRunner:
         row = self.prompts[chunk.request_id]
         embedded = row.embedded
         assert embedded is not None, "prefill before encode"
-        if chunk.first_layer or not chunk.final:
-            last = chunk.last_layer if chunk.last_layer is not None else self.adapter.num_layers
-            logits, row.hidden = self.adapter.prefill_layers(row.input_ids, embedded, row.cache, chunk.first_layer,
-                                                             last, row.hidden)
-            if not chunk.final:
-                mx.eval(row.hidden, [c.state for c in row.cache[chunk.first_layer:last]])
-                return
-        elif row.prompt_logprobs is not None:
-            logits = self._prefill_scored(row, embedded, chunk)
-        else:
-            logits = self._prefill_tokens(row, embedded, chunk)
+        sink = self._prompt_sink()
+        try:
+            if chunk.first_layer or not chunk.final:
+                last = chunk.last_layer if chunk.last_layer is not None else self.adapter.num_layers
+                logits, row.hidden = self.adapter.prefill_layers(row.input_ids, embedded, row.cache,
+                                                                 chunk.first_layer, last, row.hidden)
+                if not chunk.final:
+                    mx.eval(row.hidden, [c.state for c in row.cache[chunk.first_layer:last]])
+                    return
+            elif row.prompt_logprobs is not None:
+                logits = self._prefill_scored(row, embedded, chunk)
+            else:
+                logits = self._prefill_tokens(row, embedded, chunk)
+        finally:
+            hidden = self._prompt_hidden(sink)
+        if hidden is not None:  # the drafter's own KV: these positions, each with the prompt's next token
+            row.draft = self._mtp().prefill(row.draft, row.input_ids, hidden, chunk.end)
         if chunk.end < embedded.inputs_embeds.shape[1]:
             mx.eval([c.state for c in row.cache])
             if chunk.store_prefix:  # a snapshot at the prompt's stem: the prefill goes on in the row's own
@@ -242,7 +250,8 @@ class ModelRunner:
             self.caches.store_prefix(row.prompt, row.cache)
         rows = 1 + len(forks)  # n > 1: the prompt's KV and state copied into a row per fork
         row_state = {k: mx.concatenate([v] * rows) if rows > 1 else v for k, v in embedded.row_state.items()}
-        self._join(ids, [type(c).merge([c] * rows) for c in row.cache], row_state, sampling, firsts)
+        draft = self._mtp().first([row.draft], [[s.token_id for s in firsts]]) if row.draft is not None else None
+        self._join(ids, [type(c).merge([c] * rows) for c in row.cache], row_state, sampling, firsts, draft)
 
     def _prefill_scored(self, row: PromptRow, embedded: Embedded, chunk: PrefillChunk) -> mx.array:
         """A chunk whose every position's logits are kept: each next prompt token's logprob (and the
@@ -282,7 +291,16 @@ class ModelRunner:
         assert all(e is not None for e in embedded) and len(chunks) == len(rows)
         ready = [e for e in embedded if e is not None]
         split_last = all(self.adapter.can_chunk(r.prompt) for r in rows)
-        logits, cache = self.adapter.prefill_rows([r.input_ids for r in rows], ready, split_last)
+        sink = self._prompt_sink()
+        try:
+            logits, cache = self.adapter.prefill_rows([r.input_ids for r in rows], ready, split_last)
+        finally:
+            hidden = self._prompt_hidden(sink)
+        if hidden is not None:  # left-padded: each row's positions are the last of its hidden states
+            mtp = self._mtp()
+            for i, r in enumerate(rows):
+                r.draft = mtp.prefill(None, r.input_ids, hidden[i:i + 1, hidden.shape[1] - r.input_ids.shape[1]:],
+                                      r.input_ids.shape[1])
         row_state = {k: mx.concatenate([e.row_state[k] for e in ready]) for k in ready[0].row_state}
         mx.eval(logits, [c.state for c in cache], row_state)
         firsts, sampling = self._sample_first(logits, rows)
@@ -292,7 +310,26 @@ class ModelRunner:
             if chunk.store_prefix:  # a row of the batch serves a later prompt as if it had been alone
                 self.caches.store_prefix(rows[i].prompt, [c.extract(request_ids.index(chunk.request_id))
                                                                     for c in cache])
-        self._join(request_ids, cache, row_state, sampling, firsts)
+        draft = None
+        if hidden is not None:
+            draft = self._mtp().first([cast(DraftRows, r.draft) for r in rows], [[s.token_id] for s in firsts])
+        self._join(request_ids, cache, row_state, sampling, firsts, draft)
+
+    def _prompt_sink(self) -> list[mx.array] | None:
+        """Where a drafter with a KV of its own records the prompt forwards' hidden states (else None)."""
+        return self.drafter.hidden_sink({})[1] if self.drafter is not None and self.drafter.reads_prompt else None
+
+    def _prompt_hidden(self, sink: list[mx.array] | None) -> mx.array | None:
+        """What ``sink`` recorded (the prompt forwards' last hidden states ``[B, L, H]``); recording stops."""
+        if sink is None:
+            return None
+        mtp = self._mtp()
+        mtp.tap.sink = None
+        return mtp.recorded(sink) if sink else None
+
+    def _mtp(self) -> MtpDrafter:
+        assert isinstance(self.drafter, MtpDrafter)
+        return self.drafter
 
     def _sample_first(self, logits: mx.array, rows: list[PromptRow], forks: list[SamplingParams] | None = None
                       ) -> tuple[list[Sample], list[RowState]]:
@@ -308,11 +345,11 @@ class ModelRunner:
         return [sampled.read(i) for i in range(len(sampling))], sampling
 
     def _join(self, request_ids: list[str], cache: list[Any], row_state: dict[str, mx.array],
-              sampling: list[RowState], firsts: list[Sample]) -> None:
+              sampling: list[RowState], firsts: list[Sample], draft: DraftRows | None = None) -> None:
         """Prefilled prompts become the decode batch's last rows; each one's first token is its next input."""
         for request_id in request_ids:
             self.prompts.pop(request_id, None)  # a fork (n > 1) had no prompt row of its own
-        self.batch.extend(request_ids, cache, row_state, sampling, [s.token_id for s in firsts])
+        self.batch.extend(request_ids, cache, row_state, sampling, [s.token_id for s in firsts], draft)
 
     # -- decode ---------------------------------------------------------------------
 
@@ -334,9 +371,10 @@ class ModelRunner:
             row_state, sink = self.drafter.hidden_sink(row_state)
         logits = self.adapter.decode(batch.tokens[:, None], batch.cache, row_state)
         step = sample(logits, batch.sampling, batch.tokens, guided.allowed(batch.sampling, logits.shape[-1]))
+        drafter_state = []
         if self.drafter is not None and sink:
-            batch.record_hidden(self.drafter.recorded(sink), [0] * len(batch))
-        mx.async_eval(*step.arrays())  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
+            drafter_state = self.drafter.after_decode(batch, step.tokens, self.drafter.recorded(sink))
+        mx.async_eval(*step.arrays(), *drafter_state)  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
         return batch.advance(step)
 
     def _verify(self, plan: SchedulerOutput, out: RunnerOutput) -> None:
@@ -361,21 +399,18 @@ class ModelRunner:
         out.verified.update(verified.counts)
 
     def _draft(self, step: StepDrafts, widths: dict[str, int]) -> int:
-        """The drafter's drafts for its rows that have a hidden state, into ``step``; returns how many
-        tokens it proposed."""
-        assert self.drafter is not None and self.batch.cache is not None
+        """The drafter's drafts for its rows (those with a width and no other draft), into ``step``;
+        returns how many tokens it proposed."""
+        assert self.drafter is not None
         batch = self.batch
-        at = {i: where for i, rid in enumerate(batch.request_ids)
-              if widths.get(rid) and not step.rows[i] and (where := batch.hidden_at[i]) is not None}
-        if not at or batch.hidden is None:
+        rows = [i for i, rid in enumerate(batch.request_ids) if widths.get(rid) and not step.rows[i]]
+        if not rows:
             return 0
-        rows = list(at)
-        hidden = batch.hidden[mx.array([r for r, _ in at.values()]), mx.array([c for _, c in at.values()])]
         k = max(widths[batch.request_ids[i]] for i in rows)
-        drafts = self.drafter.propose(self.batch.cache, rows, [step.inputs[i] for i in rows], hidden, k)
-        for i, draft in zip(rows, drafts):
+        drafts = self.drafter.draft(batch, rows, step.inputs, k)
+        for i, draft in drafts.items():
             step.rows[i] = draft[:widths[batch.request_ids[i]]]
-        return len(rows) * k
+        return len(drafts) * k
 
     def remove(self, request_ids: Iterable[str]) -> None:
         """Drop finished or aborted requests, prefilling or decoding, and free their KV."""

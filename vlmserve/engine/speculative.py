@@ -11,8 +11,8 @@ the output is the target's, token for token. Three sources:
   the output stands in it;
 - ``mtp`` (``{"method": "mtp", "model": DIR}``, mlx_vlm.server's ``--draft-model DIR --draft-kind
   mtp``): a drafter model, loaded with mlx-vlm's own drafter classes, that reads the target's last
-  hidden state and KV and proposes the next tokens on the worker, beside the target
-  (engine/drafter.py). Gemma 4's assistant drafters.
+  hidden states (and KV, or a KV of its own) and proposes the next tokens on the worker, beside the
+  target: Gemma 4's assistant drafters (engine/drafter.py) and Qwen3.5's MTP (engine/mtp.py).
 
 Speculating costs a verify forward ``k + 1`` positions wide per row, and ends the decode pipeline
 for the step (the next input is known only once the acceptance is read). ``DraftPolicy`` picks the

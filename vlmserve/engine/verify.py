@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from vlmserve.engine import guided
 from vlmserve.engine.batch import DecodeBatch
-from vlmserve.engine.drafter import Drafter
+from vlmserve.engine.drafter import AnyDrafter
 from vlmserve.engine.models import ModelAdapter
 from vlmserve.engine.plan import Sample
 from vlmserve.engine.sampler import RowState, sample
@@ -63,9 +63,9 @@ def read_drafts(batch: DecodeBatch, drafts: dict[str, tuple[int, ...]]) -> StepD
 
 
 def verify(adapter: ModelAdapter, batch: DecodeBatch, drafts: StepDrafts, errors: dict[str, str],
-           drafter: Drafter | None = None) -> Verified:
+           drafter: AnyDrafter | None = None) -> Verified:
     """Verify each row's draft in one forward; a guided row whose grammar refuses its input lands in
-    ``errors``, as in decode. With a drafter, each row keeps the hidden state at its newest kept position."""
+    ``errors``, as in decode. A drafter is given the hidden states at each row's kept positions."""
     assert batch.cache is not None
     inputs, rows = drafts.inputs, drafts.rows
     if guided.guided(batch.sampling):
@@ -83,7 +83,7 @@ def verify(adapter: ModelAdapter, batch: DecodeBatch, drafts: StepDrafts, errors
         raise
     adapter.commit(transaction, batch.cache, accepted, width)
     if drafter is not None and sink:
-        batch.record_hidden(drafter.recorded(sink), accepted)
+        drafter.after_verify(batch, [[s.token_id for s in p] for p in picked], drafter.recorded(sink))
     guided.roll_back(batch.sampling, [len(d) - a for d, a in zip(rows, accepted)])
     batch.set_inputs([p[-1].token_id for p in picked])
     counts = {rid: (len(d), a) for rid, d, a in zip(batch.request_ids, rows, accepted) if d}

@@ -26,7 +26,9 @@ template used here.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -138,3 +140,46 @@ def fix_init(model: nn.Module) -> None:
             attn.o_proj.weight = attn.o_proj.weight * RESIDUAL_GAIN
         layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * RESIDUAL_GAIN
     silence_pads(model)
+
+
+def mtp_config(target_config: dict[str, Any], layers: int = 1) -> dict[str, Any]:
+    """A Qwen3.5 MTP drafter's config.json (mlx-vlm's ``qwen3_5_mtp``, the ``mtp`` kind) for the Qwen3.5
+    whose config is ``target_config``: ``layers`` full-attention layers of the target's shape."""
+    text = {**target_config["text_config"], "mtp_num_hidden_layers": layers}
+    return {"model_type": "qwen3_5_mtp", "block_size": layers + 2, "text_config": text}
+
+
+def build_mtp(target: Path, out: Path) -> Path:
+    """An MTP drafter for the Qwen3.5 build at ``target``, written to ``out`` (kept if already there):
+    what ``--speculative-config '{"method": "mtp", "model": out}'`` loads.
+
+    Not trained, but not random: its layer is a copy of the target's full-attention layer, its input
+    projection passes the next token's embedding (at its own scale) and drops the hidden state, and its
+    final norm is the target's. So it runs the target less its linear-attention layers (whose branches the recipe keeps
+    small) one position ahead, and its drafts are accepted often, not always.
+    """
+    from mlx.utils import tree_flatten
+    from mlx_vlm import load
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp import Qwen3_5MTPDraftModel
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp.config import Qwen3_5MTPConfig
+
+    weights = out / "model.safetensors"
+    if weights.exists():
+        return out
+    config = mtp_config(json.loads((target / "config.json").read_text()))
+    model = Qwen3_5MTPDraftModel(Qwen3_5MTPConfig.from_dict(config))
+    text = load(str(target))[0].language_model.model
+    hidden = config["text_config"]["hidden_size"]
+    model.fc.weight = mx.concatenate([mx.eye(hidden), mx.zeros((hidden, hidden))], axis=1)
+    table = text.embed_tokens.weight.astype(mx.float32)  # its input norm gives the embeddings their own scale
+    model.pre_fc_norm_embedding.weight = mx.full((hidden,), mx.sqrt(mx.mean(table * table)).item())
+    full = next(layer for layer in text.layers if not layer.is_linear)
+    for layer in model.layers:
+        layer.update(full.parameters())
+    model.norm.update(text.norm.parameters())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    tmp = out / "model.tmp.safetensors"
+    mx.save_safetensors(str(tmp), dict(tree_flatten(model.parameters())))
+    tmp.rename(weights)
+    return out
