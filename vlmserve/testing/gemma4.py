@@ -17,7 +17,7 @@ import mlx.nn as nn
 from .recipe import MICRO, SMALL, Dims, Recipe
 from .templates import GEMMA4_CHAT_TEMPLATE
 from .tokenizer import TokenizerSpec
-from .weights import POST_NORMS, RESIDUAL_GAIN, set_norm_weights
+from .weights import POST_NORMS, RESIDUAL_GAIN, set_norm_weights, write_drafter
 
 SPECIAL_TOKENS = (
     "<pad>", "<eos>", "<bos>", "<unk>", "<mask>",
@@ -200,7 +200,6 @@ def assistant_config(target_config: dict[str, Any], layers: int = 2) -> dict[str
 def build_assistant(target: Path, out: Path, seed: int = 0) -> Path:
     """A random (seeded) assistant drafter for the Gemma 4 build at ``target``, written to ``out``
     (kept if already there): what ``--speculative-config '{"method": "mtp", "model": out}'`` loads."""
-    from mlx.utils import tree_flatten
     from mlx_vlm.speculative.drafters.gemma4_assistant import Gemma4AssistantDraftModel
     from mlx_vlm.speculative.drafters.gemma4_assistant.config import Gemma4AssistantConfig
 
@@ -210,9 +209,4 @@ def build_assistant(target: Path, out: Path, seed: int = 0) -> Path:
     config = assistant_config(json.loads((target / "config.json").read_text()))
     mx.random.seed(seed)
     model = Gemma4AssistantDraftModel(Gemma4AssistantConfig.from_dict(config))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    tmp = out / "model.tmp.safetensors"
-    mx.save_safetensors(str(tmp), dict(tree_flatten(model.parameters())))
-    tmp.rename(weights)
-    return out
+    return write_drafter(model, config, out)

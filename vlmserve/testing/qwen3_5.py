@@ -47,7 +47,7 @@ from .qwen3_vl import (
 from .recipe import MICRO, SMALL, Dims, Recipe
 from .templates import published_template
 from .tokenizer import TokenizerSpec
-from .weights import RESIDUAL_GAIN
+from .weights import RESIDUAL_GAIN, write_drafter
 
 # micro: float32, < 1 MB, one linear-attention layer then one full-attention layer.
 # small: bfloat16, 8 layers with the real interval 4 (6 linear, 2 full).
@@ -158,7 +158,6 @@ def build_mtp(target: Path, out: Path) -> Path:
     final norm is the target's. So it runs the target less its linear-attention layers (whose branches the recipe keeps
     small) one position ahead, and its drafts are accepted often, not always.
     """
-    from mlx.utils import tree_flatten
     from mlx_vlm import load
     from mlx_vlm.speculative.drafters.qwen3_5_mtp import Qwen3_5MTPDraftModel
     from mlx_vlm.speculative.drafters.qwen3_5_mtp.config import Qwen3_5MTPConfig
@@ -177,9 +176,4 @@ def build_mtp(target: Path, out: Path) -> Path:
     for layer in model.layers:
         layer.update(full.parameters())
     model.norm.update(text.norm.parameters())
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    tmp = out / "model.tmp.safetensors"
-    mx.save_safetensors(str(tmp), dict(tree_flatten(model.parameters())))
-    tmp.rename(weights)
-    return out
+    return write_drafter(model, config, out)

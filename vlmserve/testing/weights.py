@@ -5,6 +5,7 @@ Runs on whichever thread builds; the model made here is saved and dropped, never
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -77,3 +78,14 @@ def save_weights(tensors: dict[str, mx.array], path: Path) -> None:
 
 def count_params(tensors: dict[str, mx.array]) -> int:
     return sum(int(v.size) for v in tensors.values())
+
+
+def write_drafter(model: nn.Module, config: dict[str, Any], out: Path) -> Path:
+    """A drafter model's directory as mlx-vlm's ``load_drafter`` reads it: config.json, then its weights
+    (written under a temporary name and renamed, so a half-written build is never taken for one)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    tmp = out / "model.tmp.safetensors"
+    mx.save_safetensors(str(tmp), dict(tree_flatten(model.parameters())))
+    tmp.rename(out / "model.safetensors")
+    return out
