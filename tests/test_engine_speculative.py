@@ -498,15 +498,17 @@ def test_the_mtp_drafter_proposes_what_mlx_vlms_drafter_does_over_the_whole_cont
     target's hidden state there. Ours fills it in the prefill and moves it with the batch; two prompts in
     one batch draft, at every step, what mlx-vlm's drafter class drafts for each alone when it is given
     the whole prompt (``prefill_from_target_hidden``) and then each token the target decodes
-    (``accept_verified_tokens``). mlx-vlm 0.7.10's own generate loop gives it the prompt's last
-    position only (it keeps the last prefill chunk's hidden states): its drafts cannot be the reference."""
+    (``accept_verified_tokens``). A third row first drafts from a prediction that is right (its verifies
+    keep several tokens each, which go through the drafter together), then from the drafter.
+    mlx-vlm 0.7.10's own generate loop gives the drafter the prompt's last position only (it keeps the
+    last prefill chunk's hidden states): its drafts cannot be the reference."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_vlm.speculative.drafters import load_drafter
 
     engine = mtp_drafted.engine
     params = dataclasses.replace(GREEDY, max_tokens=16)
-    prompts = [mtp_drafted.prompt(TEXT), mtp_drafted.prompt("hi")]
+    prompts = [mtp_drafted.prompt(TEXT), mtp_drafted.prompt("hi"), mtp_drafted.prompt("say it: " + TEXT)]
     theirs: dict[tuple[int, int, int], list[int]] = {}
     ours: dict[tuple[int, int, int], list[int]] = {}
 
@@ -542,19 +544,26 @@ def test_the_mtp_drafter_proposes_what_mlx_vlms_drafter_does_over_the_whole_cont
             ours[(int(batch.request_ids[i][2:]), positions[i], inputs[i])] = list(d)
         return out
 
-    async def together() -> list[list[int]]:
-        return await asyncio.gather(*(mtp_drafted.tokens(f"mq{i}", p, params) for i, p in enumerate(prompts)))
+    want = [mtp_drafted.reference(p, params.max_tokens) for p in prompts]
+    asked = [params, params, dataclasses.replace(params, prediction=tuple(want[2][:7]))]
 
+    async def together() -> list[list[int]]:
+        return await asyncio.gather(*(mtp_drafted.tokens(f"mq{i}", p, q) for i, (p, q) in enumerate(zip(prompts, asked))))
+
+    m0 = mtp_drafted.engine.metrics
     drafter.draft = recorded  # type: ignore[method-assign]
     try:
-        assert mtp_drafted.run(together()) == [mtp_drafted.reference(p, params.max_tokens) for p in prompts]
+        assert mtp_drafted.run(together()) == want
     finally:
         del drafter.draft
+    m = mtp_drafted.engine.metrics
+    assert m is not None and m0 is not None and m.spec_accepted_tokens - m0.spec_accepted_tokens >= 5
     both = theirs.keys() & ours.keys()
     for key in both:
         n = min(len(ours[key]), len(theirs[key]))
         assert ours[key][:n] == theirs[key][:n], (key, ours[key], theirs[key])
-    assert len(both) >= 20 and {w for w, _, _ in both} == {0, 1}, (sorted(theirs), sorted(ours))
+    assert len(both) >= 25 and {w for w, _, _ in both} == {0, 1, 2}, (sorted(theirs), sorted(ours))
+    assert min(p for w, p, _ in both if w == 2) > len(prompts[2].input_ids) + 5  # after its prediction's tokens
 
 
 def test_a_drafter_serves_a_4_bit_target(gemma4_micro: Any, tmp_path_factory: pytest.TempPathFactory) -> None:

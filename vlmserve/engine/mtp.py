@@ -8,8 +8,11 @@ pair, so every position a row has must pass through it once, prompt included (ml
 - **prompt:** each prefill chunk's hidden states are recorded at the target's final norm (``NormTap``)
   and run through the drafter with the prompt's next tokens; the last position waits for the first
   sampled token (``first``). A prompt that reuses a cached prefix gives the drafter its own part only;
-- **decode and verify:** after each target forward, every row's kept positions go through it with the
-  tokens kept there (``observe_decode``, ``observe_verify``: a verify keeps ``a + 1``, ragged);
+- **decode and verify:** each target forward leaves every row's kept positions with the tokens kept
+  there (``after_decode``, ``after_verify``: a verify keeps ``a + 1``, ragged). They go through the
+  drafter when the next step drafts, before it drafts; a step that does not draft drops them, so a
+  step without drafts costs nothing more than without a drafter (the drafter's KV then has a gap,
+  and its drafts are as good as what it saw);
 - **drafting:** from each row's newest output (its *seed*), ``k`` tokens, one forward each for every
   drafting row at once; the entries those write are dropped afterwards (``propose``). The next step
   writes the accepted ones again from the target's own hidden states, where mlx-vlm keeps the
@@ -64,7 +67,9 @@ class DraftRows:
     counts: list[int]  # per row: its entries (host-side, for compaction)
     position: mx.array  # [B] int32: the position of each row's next pair
     seed: mx.array | None = None  # [B, 1, H]: each row's output at its newest pair
-    pending: mx.array | None = None  # a prompt's last hidden state [1, 1, H], until its first token
+    waiting: mx.array | None = None  # a prompt's last hidden state [1, 1, H], until its first token
+    # The last target forward's pairs, until a step drafts: tokens [B, W], hidden [B, W, H], per row how many
+    pending: tuple[mx.array, mx.array, list[int]] | None = None
 
     @classmethod
     def start(cls, layers: int, rows: int, position: int) -> DraftRows:
@@ -85,6 +90,9 @@ class DraftRows:
         self.counts = [self.counts[i] for i in keep]
         if self.seed is not None:
             self.seed = self.seed[index]
+        if self.pending is not None:
+            tokens, hidden, lengths = self.pending
+            self.pending = tokens[index], hidden[index], [lengths[i] for i in keep]
 
     @classmethod
     def merge(cls, parts: list[DraftRows]) -> DraftRows:
@@ -109,7 +117,7 @@ class DraftRows:
         seeds = [p.seed for p in parts]
         seed = mx.concatenate(cast(list[mx.array], seeds)) if all(s is not None for s in seeds) else None
         return cls(keys, values, valid, size, [c for p in parts for c in p.counts],
-                   mx.concatenate([p.position for p in parts]), seed)
+                   mx.concatenate([p.position for p in parts]), seed, pending=_merge_pending(parts))
 
     def extend(self, other: DraftRows) -> None:
         merged = DraftRows.merge([self, other])
@@ -139,6 +147,23 @@ class DraftRows:
         self.values = [mx.take_along_axis(v[..., :self.size, :], order[:, None, :, None], axis=2) for v in self.values]
         self.valid = mx.arange(most)[None, :] < mx.array(self.counts)[:, None]
         self.size = most
+
+
+def _merge_pending(parts: list[DraftRows]) -> tuple[mx.array, mx.array, list[int]] | None:
+    """The parts' pending pairs as one batch's: a part without any has none for its rows (length 0)."""
+    pending = [p.pending for p in parts]
+    shaped = next((q for q in pending if q is not None), None)
+    if shaped is None:
+        return None
+    width, size = max(q[0].shape[1] for q in pending if q is not None), shaped[1].shape[2]
+    tokens, hidden, lengths = [], [], []
+    for part, q in zip(parts, pending):
+        t, h, n = q if q is not None else (mx.zeros((len(part), 0), dtype=mx.int32),
+                                           mx.zeros((len(part), 0, size), dtype=shaped[1].dtype), [0] * len(part))
+        tokens.append(mx.pad(t, [(0, 0), (0, width - t.shape[1])]))
+        hidden.append(mx.pad(h, [(0, 0), (0, width - h.shape[1]), (0, 0)]))
+        lengths += n
+    return mx.concatenate(tokens), mx.concatenate(hidden), lengths
 
 
 class _Columns:
@@ -196,40 +221,45 @@ class MtpDrafter:
         if stop > start:
             self._forward(rows, input_ids[:, start + 1:stop + 1], hidden[:, :stop - start], None)
         if end > last:
-            rows.pending = hidden[:, -1:]
+            rows.waiting = hidden[:, -1:]
         mx.eval(rows.arrays())
         return rows
 
     def first(self, prompts: list[DraftRows], tokens: list[list[int]]) -> DraftRows:
         """Prefilled prompts' rows, in order: a row per first token (``n`` > 1 forks copy a prompt's
         state), each first token paired with its prompt's last position: each row's seed."""
-        assert all(p.pending is not None for p in prompts), "a prompt's drafter state before its end"
+        assert all(p.waiting is not None for p in prompts), "a prompt's drafter state before its end"
         rows = DraftRows.merge([p for p, t in zip(prompts, tokens) for _ in t])
-        pending = mx.concatenate([cast(mx.array, p.pending) for p, t in zip(prompts, tokens) for _ in t])
+        waiting = mx.concatenate([cast(mx.array, p.waiting) for p, t in zip(prompts, tokens) for _ in t])
         for p in prompts:
-            p.pending = None
-        self._forward(rows, mx.array([t for ts in tokens for t in ts], dtype=mx.int32)[:, None], pending, None)
+            p.waiting = None
+        self._forward(rows, mx.array([t for ts in tokens for t in ts], dtype=mx.int32)[:, None], waiting, None)
         return rows
 
     # -- decode ---------------------------------------------------------------------
 
     def after_decode(self, batch: DecodeBatch, tokens: mx.array, hidden: mx.array) -> list[mx.array]:
         """After a decode forward: each row's position with its new token (``tokens`` ``[B]``, maybe still
-        computing). Returns the state's arrays, to evaluate with the step."""
-        rows = _rows(batch)
-        self._forward(rows, tokens[:, None], hidden, None)
-        return rows.arrays()
+        computing), kept for the next step that drafts. Nothing to evaluate with the step."""
+        _rows(batch).pending = tokens[:, None], hidden, [1] * len(batch)
+        return []
 
     def after_verify(self, batch: DecodeBatch, picked: list[list[int]], hidden: mx.array) -> None:
-        """After a verify forward: each row's kept positions (``len(picked[row])``) with the tokens kept."""
-        rows = _rows(batch)
+        """After a verify forward: each row's kept positions (``len(picked[row])``) with the tokens kept,
+        kept for the next step that drafts."""
         width = max(len(p) for p in picked)
         tokens = mx.array([[*p, *[p[-1]] * (width - len(p))] for p in picked], dtype=mx.int32)
-        self._forward(rows, tokens, hidden[:, :width], [len(p) for p in picked])
+        _rows(batch).pending = tokens, hidden[:, :width], [len(p) for p in picked]
 
     def draft(self, batch: DecodeBatch, rows: list[int], inputs: list[int], k: int) -> dict[int, tuple[int, ...]]:
-        """``k`` draft tokens for the batch rows ``rows`` (every row has a seed: its inputs are in it)."""
-        return dict(zip(rows, self.propose(_rows(batch), rows, k))) if rows else {}
+        """``k`` draft tokens for the batch rows ``rows``: the last forward's pairs go in first (every row's
+        seed is then its newest position's; its inputs are in it)."""
+        state = _rows(batch)
+        if state.pending is not None:
+            tokens, hidden, lengths = state.pending
+            state.pending = None
+            self._forward(state, tokens, hidden, lengths)
+        return dict(zip(rows, self.propose(state, rows, k))) if rows else {}
 
     def propose(self, rows: DraftRows, which: list[int], k: int) -> list[tuple[int, ...]]:
         """``k`` draft tokens for each of the rows ``which``, from their seeds; read on the host. The
@@ -288,8 +318,11 @@ class MtpDrafter:
         rows.size += width
         rows.counts = [c + u for c, u in zip(rows.counts, used)]
         rows.position = rows.position + mx.array(used, dtype=mx.int32)
-        last = mx.array(used) - 1
-        rows.seed = out[mx.arange(batch), last][:, None]
+        last = out[mx.arange(batch), mx.maximum(mx.array(used) - 1, 0)][:, None]
+        if rows.seed is None or min(used) > 0:
+            rows.seed = last
+        else:  # a row with no pair here (it joined after the forward) keeps its seed
+            rows.seed = mx.where(mx.array(used)[:, None, None] > 0, last, rows.seed)
         if compact:  # not between a draft's forwards: their columns are dropped by size
             rows.compact()
 
