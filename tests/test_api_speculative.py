@@ -87,7 +87,6 @@ def test_a_bad_prediction_is_a_400(spec_server):
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}'], 'needs "model"'),
     (["--speculative-config", '{"method": "eagle3", "model": "/models/drafter"}'], "not supported yet"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 40}'], "num_speculative_tokens"),
     (["--speculative-config", "{nope"], "not JSON"),

@@ -105,7 +105,7 @@ def test_acceptance_forgets_and_counts_the_prediction() -> None:
     assert a.rate > 0.8 and a.prediction_accepted == 0  # these drafts were not the prediction's
 
 
-@pytest.mark.parametrize("text", ['{"method": "mtp"}', '{"method": "ngram", "model": "x"}', '{"method": "eagle3"}',
+@pytest.mark.parametrize("text", ['{"method": "ngram", "model": "x"}', '{"method": "eagle3"}',
                                   '{"method": "ngram", "num_speculative_tokens": 0}', '{"method": "ngram", "bogus": 1}',
                                   "[1]", "nope"])
 def test_configs_that_cannot_run_are_refused_in_one_line(text: str) -> None:
@@ -588,6 +588,22 @@ def test_a_drafter_serves_a_4_bit_target(gemma4_micro: Any, tmp_path_factory: py
         _stop(family)
 
 
+def test_a_qwen3_5_checkpoints_own_mtp_layers_draft_without_a_model(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``{"method": "mtp"}`` without a model, as vLLM reads it: the MTP layers the checkpoint carries."""
+    from vlmserve.testing.qwen3_5 import carry_mtp
+
+    target = build_model("qwen3_5", "micro")
+    carried = carry_mtp(target, _qwen_mtp(tmp_path_factory, target), tmp_path_factory.getbasetemp() / "qwen3_5-own-mtp")
+    family = _start(carried, speculative=SpeculativeConfig(method="mtp", adaptive=False), prefix_cache=False)
+    try:
+        prompt = family.prompt(TEXT)
+        assert family.run(family.tokens("own", prompt, GREEDY)) == family.reference(prompt, GREEDY.max_tokens)
+        m = family.engine.metrics
+        assert m is not None and m.spec_drafts >= GREEDY.max_tokens // 4
+    finally:
+        _stop(family)
+
+
 def test_a_drafter_that_cannot_serve_its_target_is_refused_at_load_in_one_line(
         gemma4_micro: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
     from vlmserve.engine.loader import ModelLoadError
@@ -595,7 +611,9 @@ def test_a_drafter_that_cannot_serve_its_target_is_refused_at_load_in_one_line(
     assistant = str(_assistant(tmp_path_factory, gemma4_micro))
     cases = [(build_model("qwen2_vl", "micro"), assistant, "drafts for gemma4, not qwen2_vl"),
              (gemma4_micro, str(gemma4_micro), "is a 'gemma4'"),
-             (gemma4_micro, "/no/such/drafter", "could not be loaded")]
+             (gemma4_micro, "/no/such/drafter", "could not be loaded"),
+             (gemma4_micro, None, "carries no MTP layers of its own"),  # no model: the checkpoint's own
+             (build_model("qwen3_5", "micro"), None, "carries no MTP layers mlx-vlm can read")]
     for target, drafter, says in cases:
         config = SpeculativeConfig(method="mtp", model=drafter)
         with pytest.raises(ModelLoadError) as caught:

@@ -159,12 +159,13 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--speculative-config", default=None, metavar="JSON",
                      help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\', or a drafter: \'{"method": "mtp", "model": '
-                          'DIR, "num_speculative_tokens": 3}\'; drafts are verified, so the output is the same, sooner '
+                          'DIR, "num_speculative_tokens": 3}\' (no "model": a Qwen3.5 checkpoint\'s own MTP layers); drafts '
+                          'are verified, so the output is the same, sooner '
                           "where drafts are right (a request's OpenAI prediction is a draft on any server)")
     srv.add_argument("--draft-model", default=None, metavar="PATH",
                      help='a drafter model, as mlx_vlm.server spells it: the same as \'{"method": "mtp", "model": PATH}\'')
     srv.add_argument("--draft-kind", default=None, metavar="KIND",
-                     help="the --draft-model's kind: mtp (Gemma 4 assistant drafters); others are refused at start-up")
+                     help="the --draft-model's kind: mtp (Gemma 4 assistant and Qwen3.5 MTP drafters); others are refused at start-up")
     srv.add_argument("--draft-block-size", type=int, default=None, metavar="N",
                      help="with --draft-model: tokens per verify, the input's included (num_speculative_tokens + 1)")
     srv.add_argument("--allowed-media-dir", action="append", type=Path, default=[], help="local images may come from here")

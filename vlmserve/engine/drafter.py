@@ -50,9 +50,11 @@ class Drafter:
         self.sources = sources  # per attention type the drafter reads: the target layer whose KV it is
 
     @classmethod
-    def load(cls, path: str, target: nn.Module, family: str, name: str, adapter: ModelAdapter) -> AnyDrafter:
+    def load(cls, path: str, target: nn.Module, family: str, name: str, adapter: ModelAdapter,
+             own: bool = False) -> AnyDrafter:
         """Load the drafter at ``path`` for the model ``target`` (its family's model type ``family``, served as
-        ``name``); DrafterError, in one line, where it cannot serve it."""
+        ``name``; ``own``: the MTP layers its own checkpoint at ``path`` carries); DrafterError, in one line,
+        where it cannot serve it."""
         from mlx_vlm.speculative.drafters import load_drafter, validate_drafter_compatibility
 
         try:
@@ -60,8 +62,14 @@ class Drafter:
             model, kind = loaded_drafter
         except Exception as exc:  # noqa: BLE001 - any failure to load is the one-line start-up error
             why = " ".join(str(exc).split())  # one line, whatever the loader said
+            if own:
+                raise DrafterError(f'{name} carries no MTP layers mlx-vlm can read ({type(exc).__name__}: {why}); '
+                                   'give a drafter directory as "model" (--draft-model)') from exc
             raise DrafterError(f"drafter {path!r} could not be loaded: {type(exc).__name__}: {why}") from exc
         model_type = getattr(model.config, "model_type", None)
+        if own and model_type not in SUPPORTED:
+            raise DrafterError(f'{name} carries no MTP layers of its own (it is a {family}); give a drafter '
+                               'directory as "model" (--draft-model)')
         if model_type not in SUPPORTED:
             raise DrafterError(f"drafter {path!r} is a {model_type!r}; this server runs "
                                f"{', '.join(SUPPORTED)} drafters (mtp)")

@@ -249,13 +249,13 @@ def configure_process() -> None:
 def load_drafter(spec: SpeculativeConfig, loaded: LoadedModel, pipeline: bool) -> AnyDrafter:
     """``spec``'s drafter model for ``loaded``, on the worker; ModelLoadError (the server exits, one line)
     where it cannot serve it."""
-    assert spec.model is not None
     if pipeline:
         raise ModelLoadError(f"{loaded.name}: a drafter model does not run across pipeline ranks (yet); "
                              "drop --speculative-config's mtp or serve on one machine")
     if not loaded.adapter.verifies_drafts:
         raise ModelLoadError(f"{loaded.name}: {loaded.model_type} does not verify drafts, so a drafter cannot serve it")
     try:
-        return Drafter.load(spec.model, loaded.model, loaded.model_type, loaded.name, loaded.adapter)
+        return Drafter.load(spec.model or str(loaded.path), loaded.model, loaded.model_type, loaded.name,
+                            loaded.adapter, own=spec.model is None)
     except DrafterError as exc:
         raise ModelLoadError(str(exc)) from None

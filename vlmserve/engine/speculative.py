@@ -12,7 +12,8 @@ the output is the target's, token for token. Three sources:
 - ``mtp`` (``{"method": "mtp", "model": DIR}``, mlx_vlm.server's ``--draft-model DIR --draft-kind
   mtp``): a drafter model, loaded with mlx-vlm's own drafter classes, that reads the target's last
   hidden states (and KV, or a KV of its own) and proposes the next tokens on the worker, beside the
-  target: Gemma 4's assistant drafters (engine/drafter.py) and Qwen3.5's MTP (engine/mtp.py).
+  target: Gemma 4's assistant drafters (engine/drafter.py) and Qwen3.5's MTP (engine/mtp.py). Without
+  ``model``, the MTP layers the served checkpoint carries (a Qwen3.5's), as vLLM reads them.
 
 Speculating costs a verify forward ``k + 1`` positions wide per row, and ends the decode pipeline
 for the step (the next input is known only once the acceptance is read). ``DraftPolicy`` picks the
@@ -49,7 +50,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     # false: draft ``num_speculative_tokens`` whenever there is a draft, whatever it costs (tests)
     adaptive: bool = True
-    model: str | None = None  # mtp: the drafter's directory (or Hub id), loaded with mlx-vlm's drafter classes
+    # mtp: the drafter's directory (or Hub id), loaded with mlx-vlm's drafter classes; None: the MTP layers
+    # the served checkpoint carries (Qwen3.5's), as vLLM reads them
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method in UNSUPPORTED_METHODS:
@@ -57,9 +60,6 @@ class SpeculativeConfig:
                              f"{', '.join(METHODS)} and OpenAI's prediction")
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; one of {', '.join(METHODS)}")
-        if self.method == "mtp" and not self.model:
-            raise ValueError('method "mtp" needs "model": a drafter directory (a checkpoint\'s own MTP layers, '
-                             "read without one, are not supported yet)")
         if self.method != "mtp" and self.model is not None:
             raise ValueError(f'"model" names a drafter, which method {self.method!r} has none of; use "mtp"')
         if not 1 <= self.num_speculative_tokens <= 16:

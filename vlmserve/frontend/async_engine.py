@@ -182,7 +182,8 @@ class AsyncEngine:
                      self.name, why)
         elif spec is not None and spec.drafter:
             log.info("model %s: speculative decoding with the drafter %s (mtp, up to %d tokens)%s", self.name,
-                     spec.model, spec.num_speculative_tokens, "" if spec.adaptive else ", drafting whatever it costs")
+                     spec.model or "the checkpoint carries", spec.num_speculative_tokens,
+                     "" if spec.adaptive else ", drafting whatever it costs")
         elif spec is not None:
             log.info("model %s: speculative decoding with ngram drafts (up to %d tokens, lookup %d-%d)%s", self.name,
                      spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,

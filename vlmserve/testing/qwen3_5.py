@@ -27,6 +27,7 @@ template used here.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -177,3 +178,29 @@ def build_mtp(target: Path, out: Path) -> Path:
         layer.update(full.parameters())
     model.norm.update(text.norm.parameters())
     return write_drafter(model, config, out)
+
+
+# The norms a Qwen3.5 checkpoint's ``mtp.*`` layers store zero-centered (mlx-vlm adds 1 as it reads them)
+ZERO_CENTERED = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight",
+                 "norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
+
+
+def carry_mtp(target: Path, drafter: Path, out: Path) -> Path:
+    """The Qwen3.5 build at ``target`` carrying the MTP drafter at ``drafter`` as its own layers, as Qwen's
+    checkpoints carry theirs (``mtp.*`` tensors beside the model's, ``mtp_num_hidden_layers`` in its text
+    config), written to ``out`` (kept if already there): what ``{"method": "mtp"}`` reads without a model."""
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(target, tmp)
+    layers = {f"mtp.{k}": v - 1 if k.endswith(ZERO_CENTERED) else v
+              for k, v in mx.load(str(drafter / "model.safetensors")).items()}
+    weights = tmp / "model.safetensors"
+    mx.save_safetensors(str(weights), {**mx.load(str(weights)), **layers})
+    config = json.loads((tmp / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = json.loads((drafter / "config.json").read_text())[
+        "text_config"]["mtp_num_hidden_layers"]
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    tmp.rename(out)
+    return out
