@@ -104,10 +104,9 @@ class Drafter:
         """A forward's recorded last hidden state, ``[B, W, H]`` (before the final norm)."""
         return sink[0] if len(sink) == 1 else mx.concatenate(sink, axis=1)  # a verify in blocks records each
 
-    def after_decode(self, batch: DecodeBatch, tokens: mx.array, hidden: mx.array) -> list[mx.array]:
-        """A decode forward's hidden states: each row's newest position's (nothing to evaluate with it)."""
+    def after_decode(self, batch: DecodeBatch, tokens: mx.array, hidden: mx.array) -> None:
+        """A decode forward's hidden states: each row's newest position's."""
         batch.record_hidden(hidden, [0] * len(batch))
-        return []
 
     def after_verify(self, batch: DecodeBatch, picked: list[list[int]], hidden: mx.array) -> None:
         """A verify forward's hidden states: each row's newest kept position is its ``len(picked) - 1``."""

@@ -238,11 +238,10 @@ class MtpDrafter:
 
     # -- decode ---------------------------------------------------------------------
 
-    def after_decode(self, batch: DecodeBatch, tokens: mx.array, hidden: mx.array) -> list[mx.array]:
+    def after_decode(self, batch: DecodeBatch, tokens: mx.array, hidden: mx.array) -> None:
         """After a decode forward: each row's position with its new token (``tokens`` ``[B]``, maybe still
-        computing), kept for the next step that drafts. Nothing to evaluate with the step."""
+        computing), kept for the next step that drafts."""
         _rows(batch).pending = tokens[:, None], hidden, [1] * len(batch)
-        return []
 
     def after_verify(self, batch: DecodeBatch, picked: list[list[int]], hidden: mx.array) -> None:
         """After a verify forward: each row's kept positions (``len(picked[row])``) with the tokens kept,

@@ -371,10 +371,9 @@ class ModelRunner:
             row_state, sink = self.drafter.hidden_sink(row_state)
         logits = self.adapter.decode(batch.tokens[:, None], batch.cache, row_state)
         step = sample(logits, batch.sampling, batch.tokens, guided.allowed(batch.sampling, logits.shape[-1]))
-        drafter_state = []
         if self.drafter is not None and sink:
-            drafter_state = self.drafter.after_decode(batch, step.tokens, self.drafter.recorded(sink))
-        mx.async_eval(*step.arrays(), *drafter_state)  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
+            self.drafter.after_decode(batch, step.tokens, self.drafter.recorded(sink))
+        mx.async_eval(*step.arrays())  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
         return batch.advance(step)
 
     def _verify(self, plan: SchedulerOutput, out: RunnerOutput) -> None:
