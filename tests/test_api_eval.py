@@ -122,3 +122,39 @@ def test_responses_and_messages_honour_vllms_sampling_extensions_or_refuse_them(
         r = httpx.post(demo_f32_server.url + path, json=body, timeout=60)
         assert r.status_code == 400, r.text
         assert ("min_tokens" if "min_tokens" in body else "best_of") in r.text
+
+
+def test_chat_prompt_logprobs_are_vllms_and_come_back_when_the_answer_stops_at_once(demo_f32_server, demo_reference):
+    """vLLM's chat ``prompt_logprobs``: a top-level list, one entry per prompt token (the first None), each
+    the prompt's token and the ``k`` best by token id with logprob, rank and text; here even when a stop
+    string ends the answer at its first token. Streamed, a 400 (as vLLM); Responses and Messages have no
+    place for them: a 400 naming the field."""
+    url = demo_f32_server.url
+    messages = [{"role": "user", "content": "Describe a red circle."}]
+    ids = httpx.post(url + "/tokenize", json={"model": "demo-gemma4", "messages": messages}, timeout=30).json()["tokens"]
+    want = demo_reference(ids)
+    ask = {"model": "demo-gemma4", "messages": messages, "temperature": 0, "max_tokens": 8, "prompt_logprobs": 2}
+    plain = httpx.post(url + "/v1/chat/completions", json=ask, timeout=60).json()
+    first = plain["choices"][0]["message"]["content"][:1]
+    cut = httpx.post(url + "/v1/chat/completions", json={**ask, "stop": [first]}, timeout=60).json()
+    assert cut["choices"][0]["message"]["content"] == "" and cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["usage"]["completion_tokens"] == 1  # the stop string ended it at its first token
+    for reply in (plain, cut):
+        scored = reply["prompt_logprobs"]
+        assert len(scored) == len(ids) and scored[0] is None
+        for token, entry, logprob in zip(ids[1:], scored[1:], want[1:]):
+            mine = entry[str(token)]
+            assert mine["logprob"] == pytest.approx(logprob, abs=1e-4) and mine["rank"] >= 1
+            assert 2 <= len(entry) <= 3 and all(e["rank"] >= 1 and isinstance(e["decoded_token"], str)
+                                                for e in entry.values())
+            best = min(entry.values(), key=lambda e: e["rank"])
+            assert best["rank"] == 1 and best["logprob"] >= mine["logprob"]
+    assert cut["prompt_logprobs"] == plain["prompt_logprobs"]
+
+    streamed = httpx.post(url + "/v1/chat/completions", json={**ask, "stream": True}, timeout=60)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+    for path, body in (("/v1/responses", {"model": "demo-gemma4", "input": "hi", "prompt_logprobs": 1}),
+                       ("/v1/messages", {"model": "demo-gemma4", "max_tokens": 8, "prompt_logprobs": 1,
+                                         "messages": [{"role": "user", "content": "hi"}]})):
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert r.status_code == 400 and "prompt_logprobs" in r.text, r.text

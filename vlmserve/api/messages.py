@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ HONOURED_EXTENSIONS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "igno
 UNHONOURED_EXTENSIONS: dict[str, Any] = {
     "min_tokens": 0, "best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
-    "allowed_token_ids": None, "bad_words": None,
+    "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None,
 }  # fmt: skip
 
 
@@ -268,13 +269,16 @@ def guide_spec(req: ChatCompletionRequest, tool_format: str | None) -> tuple[Gui
 def to_sampling_params(req: ChatCompletionRequest, default_max_tokens: int, vocab_size: int) -> SamplingParams:
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-    return sampling_params(
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs are not given when stream is true (as vLLM)", "prompt_logprobs")
+    params = sampling_params(
         max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop,
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0, logit_bias=req.logit_bias, vocab_size=vocab_size,
         default_max_tokens=default_max_tokens)
+    return dataclasses.replace(params, prompt_logprobs=req.prompt_logprobs) if req.prompt_logprobs is not None else params
 
 
 def sampling_params(*, max_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,

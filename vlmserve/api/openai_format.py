@@ -37,6 +37,7 @@ class ChoiceBuilder:
         self.reasoning = ""
         self.tool_calls: list[dict[str, Any]] = []
         self.logprobs: list[dict[str, Any]] = []
+        self.prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked
         self.usage: dict[str, Any] = {}
 
     def step(self, out: RequestOutput) -> Delta:
@@ -54,6 +55,8 @@ class ChoiceBuilder:
         self.reasoning += delta.reasoning
         self.logprobs += delta.logprobs
         self.usage = _usage(out)
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [self._prompt_logprob(lp) for lp in out.prompt_logprobs]
         return delta
 
     @property
@@ -81,8 +84,9 @@ class ChoiceBuilder:
     def response(self, finish_reason: str, want_logprobs: bool, others: Sequence[dict[str, Any]] = (),
                  usage: dict[str, Any] | None = None) -> dict[str, Any]:
         """The whole reply; ``others``: more choices (n > 1), ``usage``: theirs and this one's."""
+        scored = {} if self.prompt_logprobs is None else {"prompt_logprobs": self.prompt_logprobs}
         return self._envelope("chat.completion", choices=[self.choice(finish_reason, want_logprobs), *others],
-                              usage=usage or self.usage)
+                              usage=usage or self.usage, **scored)
 
     def choice(self, finish_reason: str, want_logprobs: bool) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": self.content or None}
@@ -104,6 +108,19 @@ class ChoiceBuilder:
         entry = self._token_entry(lp.token_id, lp.logprob)
         entry["top_logprobs"] = [self._token_entry(t, p) for t, p in lp.top]
         return entry
+
+    def _prompt_logprob(self, lp: Any) -> dict[str, Any] | None:
+        """A prompt position as vLLM lists it: by token id, the prompt's token and the best others,
+        each with its logprob, rank and text (the first position: None, nothing comes before it)."""
+        if lp is None:
+            return None
+        entries = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._text(lp.token_id)}}
+        for rank, (t, p) in enumerate(lp.top, 1):
+            entries.setdefault(str(t), {"logprob": p, "rank": rank, "decoded_token": self._text(t)})
+        return entries
+
+    def _text(self, token_id: int) -> str:
+        return token_text_and_bytes(self._tokenizer, token_id)[0]
 
     def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text, raw = token_text_and_bytes(self._tokenizer, token_id)

@@ -20,6 +20,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + the tokens more likely than it (prompt positions, as vLLM reports them)
 
 
 @dataclass(slots=True, frozen=True)

@@ -264,14 +264,16 @@ class ModelRunner:
         scored = logits[: targets.shape[0]].astype(mx.float32)
         scored = scored - mx.logsumexp(scored, axis=-1, keepdims=True)
         chosen = mx.take_along_axis(scored, targets[:, None], axis=-1)[:, 0]
+        ranks = (scored > chosen[:, None]).sum(axis=-1) + 1
         k = row.params.prompt_logprobs or 0
         best = mx.argpartition(-scored, kth=k - 1, axis=-1)[:, :k] if k else mx.zeros((targets.shape[0], 0), mx.int32)
         best_lp = mx.take_along_axis(scored, best, axis=-1)
         rows = zip(cast(list[int], targets.tolist()), cast(list[float], chosen.tolist()),
-                   cast(list[list[int]], best.tolist()), cast(list[list[float]], best_lp.tolist()))
-        for token, lp, ids, lps in rows:
+                   cast(list[list[int]], best.tolist()), cast(list[list[float]], best_lp.tolist()),
+                   cast(list[int], ranks.tolist()))
+        for token, lp, ids, lps, rank in rows:
             top = tuple(sorted(zip(ids, lps), key=lambda t: -t[1]))
-            row.prompt_logprobs.append(TokenLogprob(token, lp, top))
+            row.prompt_logprobs.append(TokenLogprob(token, lp, top, rank))
         last: mx.array = logits[-1:]
         return last
 

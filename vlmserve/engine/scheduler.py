@@ -353,7 +353,8 @@ class Scheduler:
                 n = stem - start  # the chunk ends where the snapshot is taken
             budgets.spend(n)
             return self._tokens_chunk(req, start, start + n) if n > 0 else None
-        if not req.num_computed_layers and (end - start <= budgets.tokens or (start and first)):
+        scored = req.params.prompt_logprobs is not None  # every position's logits: no layer pieces
+        if not req.num_computed_layers and (end - start <= budgets.tokens or ((start or scored) and first)):
             budgets.spend(end - start)  # whole; after a reused prefix, layer pieces cannot start
             return self._tokens_chunk(req, start, end)  # (no snapshot: a whole prompt's end is not its stem)
         if start:
