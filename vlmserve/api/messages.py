@@ -269,8 +269,8 @@ def guide_spec(req: ChatCompletionRequest, tool_format: str | None) -> tuple[Gui
 def to_sampling_params(req: ChatCompletionRequest, default_max_tokens: int, vocab_size: int) -> SamplingParams:
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-    if req.prompt_logprobs is not None and req.stream:
-        raise bad_request("prompt_logprobs are not given when stream is true (as vLLM)", "prompt_logprobs")
+    if req.prompt_logprobs and req.stream:  # vLLM's rule and words (0 streams, without them)
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     params = sampling_params(
         max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
@@ -278,7 +278,8 @@ def to_sampling_params(req: ChatCompletionRequest, default_max_tokens: int, voca
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0, logit_bias=req.logit_bias, vocab_size=vocab_size,
         default_max_tokens=default_max_tokens)
-    return dataclasses.replace(params, prompt_logprobs=req.prompt_logprobs) if req.prompt_logprobs is not None else params
+    scored = req.prompt_logprobs is not None and not req.stream
+    return dataclasses.replace(params, prompt_logprobs=req.prompt_logprobs) if scored else params
 
 
 def sampling_params(*, max_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
