@@ -600,6 +600,11 @@ def test_a_qwen3_5_checkpoints_own_mtp_layers_draft_without_a_model(tmp_path_fac
         assert family.run(family.tokens("own", prompt, GREEDY)) == family.reference(prompt, GREEDY.max_tokens)
         m = family.engine.metrics
         assert m is not None and m.spec_drafts >= GREEDY.max_tokens // 4
+        # The KV budget counts the drafter's own KV: an entry per position, as a full-attention layer's
+        text = family.engine.loaded.model.config.text_config
+        layer = 2 * text.num_key_value_heads * text.head_dim * 4  # float32 keys and values, per position
+        full = sum(not x.is_linear for x in family.engine.loaded.model.language_model.model.layers)
+        assert family.engine.core.kv.footprint.per_position == (full + 1) * layer
     finally:
         _stop(family)
 

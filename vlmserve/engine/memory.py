@@ -6,7 +6,8 @@ need is its prompt plus ``max_tokens`` (capped at the context): reserved up fron
 was admitted can always run to its end. The bytes per position are measured once, after the
 warm-up, from a real prefilled cache of the model's own layer types: full attention grows with
 every position, sliding-window layers stop at their window, recurrent and convolution state
-(Qwen3.5, LFM2-VL) is a fixed cost per row. The prefix stores (text, and image-keyed) have their own
+(Qwen3.5, LFM2-VL) is a fixed cost per row; an MTP drafter's own KV (engine/mtp.py) grows with every
+position too. The prefix stores (text, and image-keyed) have their own
 bounds and count against this budget too: the scheduler drops their least recently used prefixes
 when a batch that fits without them needs the room, and after a store, so that the stores and the
 running requests' reservations never hold more than the budget together.
@@ -15,7 +16,7 @@ running requests' reservations never hold more than the budget together.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vlmserve.engine.params import PromptInputs, SamplingParams
@@ -64,7 +65,11 @@ def measure_footprint(runner: Any, prompt: PromptInputs) -> KVFootprint:
             out = runner.execute(SchedulerOutput(prefill=[PrefillChunk(probe, 0, out.prompt_lengths[probe])]))
         if out.errors:
             raise RuntimeError(f"could not measure the KV cache: {out.errors[probe]}")
-        return KVFootprint.measure(runner.batch.cache)
+        footprint = KVFootprint.measure(runner.batch.cache)
+        draft = runner.batch.draft  # a drafter with a KV of its own (engine/mtp.py): an entry per position too
+        if draft is not None:
+            footprint = replace(footprint, per_position=footprint.per_position + draft.bytes_per_position())
+        return footprint
     finally:
         runner.execute(SchedulerOutput(finished=[probe]))
 

@@ -82,6 +82,12 @@ class DraftRows:
     def arrays(self) -> list[mx.array]:
         return [*self.keys, *self.values, self.valid, self.position, *([self.seed] if self.seed is not None else [])]
 
+    def bytes_per_position(self) -> int:
+        """What one position of one row holds in the drafter's layers (its keys and values)."""
+        if not self.size:
+            return 0
+        return sum((k.nbytes + v.nbytes) // (k.shape[0] * k.shape[2]) for k, v in zip(self.keys, self.values))
+
     def filter(self, index: mx.array, keep: list[int]) -> None:
         if self.size:
             self.keys = [k[index] for k in self.keys]
