@@ -80,7 +80,8 @@ class DraftRows:
         return len(self.counts)
 
     def arrays(self) -> list[mx.array]:
-        return [*self.keys, *self.values, self.valid, self.position, *([self.seed] if self.seed is not None else [])]
+        """What to evaluate (a prompt's state, with its cache)."""
+        return [*([self.waiting] if self.waiting is not None else []), *self.keys, *self.values, self.valid, self.position, *([self.seed] if self.seed is not None else [])]
 
     def bytes_per_position(self) -> int:
         """What one position of one row holds in the drafter's layers (its keys and values)."""
@@ -228,8 +229,7 @@ class MtpDrafter:
             self._forward(rows, input_ids[:, start + 1:stop + 1], hidden[:, :stop - start], None)
         if end > last:
             rows.waiting = hidden[:, -1:]
-        mx.eval(rows.arrays())
-        return rows
+        return rows  # evaluated with the prompt's own cache (``arrays``), so its hidden states are not held
 
     def first(self, prompts: list[DraftRows], tokens: list[list[int]]) -> DraftRows:
         """Prefilled prompts' rows, in order: a row per first token (``n`` > 1 forks copy a prompt's

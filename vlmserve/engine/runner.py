@@ -234,12 +234,13 @@ class ModelRunner:
             hidden = self._prompt_hidden(sink)
         if hidden is not None:  # the drafter's own KV: these positions, each with the prompt's next token
             row.draft = self._mtp().prefill(row.draft, row.input_ids, hidden, chunk.end)
+        drafted = row.draft.arrays() if row.draft is not None else []
         if chunk.end < embedded.inputs_embeds.shape[1]:
-            mx.eval([c.state for c in row.cache])
+            mx.eval([c.state for c in row.cache], drafted)
             if chunk.store_prefix:  # a snapshot at the prompt's stem: the prefill goes on in the row's own
                 self.caches.store_prefix(row.prompt, copy.deepcopy(row.cache), chunk.end)
             return
-        mx.eval(logits, [c.state for c in row.cache], embedded.row_state)
+        mx.eval(logits, [c.state for c in row.cache], embedded.row_state, drafted)
         forks = [row.forks[f] for f in chunk.forks]
         firsts, sampling = self._sample_first(logits, [row], forks)
         if row.prompt_logprobs is not None:
@@ -304,7 +305,7 @@ class ModelRunner:
                 r.draft = mtp.prefill(None, r.input_ids, hidden[i:i + 1, hidden.shape[1] - r.input_ids.shape[1]:],
                                       r.input_ids.shape[1])
         row_state = {k: mx.concatenate([e.row_state[k] for e in ready]) for k in ready[0].row_state}
-        mx.eval(logits, [c.state for c in cache], row_state)
+        mx.eval(logits, [c.state for c in cache], row_state, [r.draft.arrays() for r in rows if r.draft is not None])
         firsts, sampling = self._sample_first(logits, rows)
         out.samples.update(zip(request_ids, firsts))
         out.prefill_batches += 1
