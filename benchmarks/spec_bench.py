@@ -10,8 +10,9 @@ Two model kinds:
   prediction (``copy``), one colour wrong (``edit``), or none (``free``); and its shapes as JSON, no
   prediction (``json``, a longer answer).
 
-Each cell runs ``--rounds`` rounds of ``c`` concurrent greedy requests through ``AsyncEngine`` (no
-HTTP); the answers with and without speculation are checked equal. Float32 weights want OpenBLAS
+Each cell runs ``--rounds`` rounds of ``c`` concurrent greedy requests through two ``AsyncEngine``s
+side by side (no HTTP), one with speculation and one without, round by round in alternating order, so
+that a noisy machine's drift falls on both; the answers with and without speculation are checked equal. Float32 weights want OpenBLAS
 (``LD_PRELOAD``, see vlmserve/blas.py); the program restarts itself under it when it is installed,
 unless ``VLMSERVE_NO_OPENBLAS`` is set.
 
@@ -88,46 +89,64 @@ async def _one(engine: AsyncEngine, rid: str, work: Workload, params: SamplingPa
     return tokens
 
 
-async def _cell(engine: AsyncEngine, work: Workload, params: SamplingParams, c: int, rounds: int) -> dict[str, Any]:
-    before = await engine.stats()
-    start, outputs = time.perf_counter(), []
-    for r in range(rounds):
-        outputs += await asyncio.gather(*(_one(engine, f"{work.name}-{r}-{i}-{time.monotonic_ns()}", work, params)
-                                          for i in range(c)))
-    seconds = time.perf_counter() - start
-    after = await engine.stats()
-    drafted = after.spec_draft_tokens - before.spec_draft_tokens
-    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-    return {"tok_s": sum(len(o) for o in outputs) / seconds, "tokens": sum(len(o) for o in outputs) // len(outputs),
-            "drafted": drafted, "acceptance": accepted / drafted if drafted else None, "outputs": outputs}
+async def _round(engine: AsyncEngine, work: Workload, params: SamplingParams, c: int, r: int
+                 ) -> tuple[float, list[list[int]]]:
+    """One round of ``c`` concurrent requests: its seconds and answers."""
+    start = time.perf_counter()
+    outputs = await asyncio.gather(*(_one(engine, f"{work.name}-{r}-{i}-{time.monotonic_ns()}", work, params)
+                                     for i in range(c)))
+    return time.perf_counter() - start, list(outputs)
 
 
-async def _run(args: argparse.Namespace, model: str, label: str, spec: SpeculativeConfig | None,
-               levels: list[int]) -> dict[str, dict[str, Any]]:
-    engine = AsyncEngine(model, config=EngineConfig(max_batch_size=max(levels), speculative=spec, dtype=args.dtype,
-                                                    prefix_cache=False, vision_cache_bytes=0))
-    await engine.start()
+async def _run(args: argparse.Namespace, model: str, spec: SpeculativeConfig, levels: list[int]
+               ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Both engines side by side (without speculation, and with ``spec``), each cell's rounds taken in
+    turn, first one engine then the other, alternating: the machine's drift falls on both alike."""
+    engines = {name: AsyncEngine(model, config=EngineConfig(max_batch_size=max(levels), speculative=config,
+                                                            dtype=args.dtype, prefix_cache=False,
+                                                            vision_cache_bytes=0))
+               for name, config in (("off", None), ("spec", spec))}
+    for engine in engines.values():
+        await engine.start()
     try:
         params = SamplingParams(max_tokens=args.max_tokens)
+        off = engines["off"]
         if args.model == "demo":
             probe = demo_workloads("")[2]
-            workloads = demo_workloads(engine.prompter.detokenize(await _one(engine, "probe", probe, params)))
+            workloads = demo_workloads(off.prompter.detokenize(await _one(off, "probe", probe, params)))
         else:
             workloads = real_workloads()
         workloads = [w for w in workloads if w.name in args.workloads.split(",")]
-        cells = {}
-        with progress(desc=f"{label}: workloads x concurrency", total=len(workloads) * len(levels)) as bar:
+        cells: dict[str, dict[str, dict[str, Any]]] = {"off": {}, "spec": {}}
+        with progress(desc=f"{spec.method} against none: workloads x concurrency",
+                      total=len(workloads) * len(levels)) as bar:
             for work in workloads:
-                cell_params = params
-                if work.prediction is not None and spec is not None:
-                    ids = engine.prompter.tokenize(work.prediction, add_special_tokens=False)
-                    cell_params = dataclasses.replace(params, prediction=tuple(ids))
+                asked = {"off": params, "spec": params}
+                if work.prediction is not None:
+                    ids = off.prompter.tokenize(work.prediction, add_special_tokens=False)
+                    asked["spec"] = dataclasses.replace(params, prediction=tuple(ids))
                 for c in levels:
-                    cells[f"{work.name}/{c}"] = await _cell(engine, work, cell_params, c, args.rounds)
+                    before = await engines["spec"].stats()
+                    seconds, outputs = {"off": 0.0, "spec": 0.0}, {"off": [], "spec": []}
+                    for r in range(args.rounds):
+                        for name in ("off", "spec") if r % 2 == 0 else ("spec", "off"):
+                            took, answers = await _round(engines[name], work, asked[name], c, r)
+                            seconds[name] += took
+                            outputs[name] += answers
+                    after = await engines["spec"].stats()
+                    drafted = after.spec_draft_tokens - before.spec_draft_tokens
+                    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+                    for name in cells:
+                        total = sum(len(o) for o in outputs[name])
+                        cells[name][f"{work.name}/{c}"] = {
+                            "tok_s": total / seconds[name], "tokens": total // len(outputs[name]),
+                            "drafted": drafted, "acceptance": accepted / drafted if drafted else None,
+                            "outputs": outputs[name]}
                     bar.update()
-        return cells
+        return cells["off"], cells["spec"]
     finally:
-        await engine.shutdown()
+        for engine in engines.values():
+            await engine.shutdown()
 
 
 def _rows(off: dict[str, dict[str, Any]], spec: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -190,11 +209,10 @@ def main() -> None:
     else:
         model = str(DEMO_MODEL_DIR) if args.model == "demo" else args.model
     levels = [int(c) for c in args.concurrency.split(",")]
-    off = asyncio.run(_run(args, model, "no speculation", None, levels))
     method = SpeculativeConfig(num_speculative_tokens=args.k)
     if args.drafter:
         method = SpeculativeConfig(method="mtp", model=resolve_drafter(args.drafter), num_speculative_tokens=args.k)
-    spec = asyncio.run(_run(args, model, method.method, method, levels))
+    off, spec = asyncio.run(_run(args, model, method, levels))
     rows = _rows(off, spec)
     print(f"model {Path(model).name}, dtype {args.dtype}, BLAS: {'OpenBLAS' if openblas_preloaded() else 'reference'}")
     print("| workload | c | tokens | tok/s off | tok/s spec | ratio | acceptance | draft tokens |")
