@@ -411,6 +411,23 @@ def test_a_drafters_rows_keep_the_targets_logprobs_grammar_and_seeded_samples(dr
         assert _outputs(drafted, f"mt{seed}", prompt, sampled).token_ids == plain, f"seed {seed}"
 
 
+def test_n_forks_each_speculate_on_their_own(drafted: Family) -> None:
+    """n > 1: the forks share the prompt (and, with an MTP drafter, its drafter state, copied), then each
+    drafts and is verified as its own row. Each fork's tokens are those of a lone request with its
+    sampling that never drafts."""
+    from test_engine_forks import _forked
+
+    sampled = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, top_k=20, seed=70 + i) for i in range(3)]
+    m0 = drafted.engine.metrics
+    forked = drafted.run(_forked(drafted.engine, "mf", TEXT, [], sampled))
+    m = drafted.engine.metrics
+    lone = [drafted.run(_forked(drafted.engine, f"mg{i}", TEXT, [], [dataclasses.replace(p, **PLAIN)]))[0]
+            for i, p in enumerate(sampled)]
+    assert [r.error for r in forked] == [None] * 3
+    assert [r.token_ids for r in forked] == [r.token_ids for r in lone]
+    assert m is not None and m0 is not None and m.spec_drafts - m0.spec_drafts >= 3 * 5  # every fork drafted
+
+
 def test_a_drafter_in_a_two_turn_chat_about_a_picture_under_the_image_prefix_cache(drafted: Family) -> None:
     turn1, reply1, turn2 = _two_turns(drafted)
     assert drafted.run(drafted.tokens("mc1", turn1, dataclasses.replace(GREEDY, max_tokens=8))) == reply1
