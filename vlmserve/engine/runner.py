@@ -15,7 +15,8 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -217,8 +218,7 @@ class ModelRunner:
         row = self.prompts[chunk.request_id]
         embedded = row.embedded
         assert embedded is not None, "prefill before encode"
-        sink = self._prompt_sink()
-        try:
+        with self._prompt_states() as states:
             if chunk.first_layer or not chunk.final:
                 last = chunk.last_layer if chunk.last_layer is not None else self.adapter.num_layers
                 logits, row.hidden = self.adapter.prefill_layers(row.input_ids, embedded, row.cache,
@@ -230,10 +230,8 @@ class ModelRunner:
                 logits = self._prefill_scored(row, embedded, chunk)
             else:
                 logits = self._prefill_tokens(row, embedded, chunk)
-        finally:
-            hidden = self._prompt_hidden(sink)
-        if hidden is not None:  # the drafter's own KV: these positions, each with the prompt's next token
-            row.draft = self._mtp().prefill(row.draft, row.input_ids, hidden, chunk.end)
+        if states:  # the drafter's own KV: these positions, each with the prompt's next token
+            row.draft = self._mtp().prefill(row.draft, row.input_ids, self._mtp().recorded(states), chunk.end)
         drafted = row.draft.arrays() if row.draft is not None else []
         if chunk.end < embedded.inputs_embeds.shape[1]:
             mx.eval([c.state for c in row.cache], drafted)
@@ -294,13 +292,11 @@ class ModelRunner:
         assert all(e is not None for e in embedded) and len(chunks) == len(rows)
         ready = [e for e in embedded if e is not None]
         split_last = all(self.adapter.can_chunk(r.prompt) for r in rows)
-        sink = self._prompt_sink()
-        try:
+        with self._prompt_states() as states:
             logits, cache = self.adapter.prefill_rows([r.input_ids for r in rows], ready, split_last)
-        finally:
-            hidden = self._prompt_hidden(sink)
-        if hidden is not None:  # left-padded: each row's positions are the last of its hidden states
+        if states:  # left-padded: each row's positions are the last of its hidden states
             mtp = self._mtp()
+            hidden = mtp.recorded(states)
             for i, r in enumerate(rows):
                 r.draft = mtp.prefill(None, r.input_ids, hidden[i:i + 1, hidden.shape[1] - r.input_ids.shape[1]:],
                                       r.input_ids.shape[1])
@@ -314,21 +310,23 @@ class ModelRunner:
                 self.caches.store_prefix(rows[i].prompt, [c.extract(request_ids.index(chunk.request_id))
                                                                     for c in cache])
         draft = None
-        if hidden is not None:
+        if states:
             draft = self._mtp().first([cast(DraftRows, r.draft) for r in rows], [[s.token_id] for s in firsts])
         self._join(request_ids, cache, row_state, sampling, firsts, draft)
 
-    def _prompt_sink(self) -> list[mx.array] | None:
-        """Where a drafter with a KV of its own records the prompt forwards' hidden states (else None)."""
-        return self.drafter.hidden_sink({})[1] if self.drafter is not None and self.drafter.reads_prompt else None
-
-    def _prompt_hidden(self, sink: list[mx.array] | None) -> mx.array | None:
-        """What ``sink`` recorded (the prompt forwards' last hidden states ``[B, L, H]``); recording stops."""
-        if sink is None:
-            return None
+    @contextmanager
+    def _prompt_states(self) -> Iterator[list[mx.array]]:
+        """The final hidden states of the prompt forwards run inside, recorded for a drafter with a KV of
+        its own (empty for any other)."""
+        if self.drafter is None or not self.drafter.reads_prompt:
+            yield []
+            return
         mtp = self._mtp()
-        mtp.tap.sink = None
-        return mtp.recorded(sink) if sink else None
+        states = mtp.hidden_sink({})[1]
+        try:
+            yield states
+        finally:
+            mtp.tap.sink = None
 
     def _mtp(self) -> MtpDrafter:
         assert isinstance(self.drafter, MtpDrafter)
