@@ -147,6 +147,20 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--kv-cache-gb", type=float, default=None,
                      help="KV-cache memory for running requests; a request that could never fit gets 400, others "
                           "wait (default: 80%% of Metal's recommended working set, else half the RAM, less the weights)")
+    srv.add_argument("--kv-bits", type=int, choices=(4, 8), default=engine.kv_bits,
+                     help="quantize the KV cache (running requests' and the prefix caches') to this many bits a value, "
+                          "so more context fits in --kv-cache-gb; sliding-window and recurrent layers stay in full "
+                          "precision, and families that cannot read a packed cache say so at start-up")
+    srv.add_argument("--kv-group-size", type=int, default=engine.kv_group_size,
+                     help="values per quantization scale and bias (with --kv-bits; must divide the model's head size)")
+    srv.add_argument("--quantized-kv-start", type=int, default=engine.quantized_kv_start,
+                     help="positions a layer's cache holds before it is quantized (with --kv-bits): 0 quantizes every "
+                          "prompt after its first forward, as mlx-lm does past the start")
+    srv.add_argument("--prefix-cache-dir", type=Path, default=None,
+                     help="a directory where the prefix caches spill what they evict (and hold at shutdown), read back "
+                          "when a prompt matches and across restarts; one directory per server (it is locked)")
+    srv.add_argument("--prefix-cache-disk-gb", type=float, default=engine.prefix_cache_disk_bytes / 2**30,
+                     help="the most --prefix-cache-dir holds (least recently used files go first)")
     srv.add_argument("--vision-cache-mb", type=float, default=engine.vision_cache_bytes / 2**20,
                      help="image features kept across requests, so an image shown again skips the vision tower; 0 turns "
                           "it off")
@@ -258,8 +272,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
                                         args.keep_alive_timeout) <= 0:
         return ("--shutdown-timeout must be >= 0; --stream-stall-timeout, --kv-cache-gb, --header-timeout and "
                 "--keep-alive-timeout > 0")
-    if args.vision_cache_mb < 0 or args.mm_prefix_cache_gb < 0:
-        return "--vision-cache-mb and --mm-prefix-cache-gb must be >= 0"
+    if args.vision_cache_mb < 0 or args.mm_prefix_cache_gb < 0 or args.prefix_cache_disk_gb <= 0:
+        return "--vision-cache-mb and --mm-prefix-cache-gb must be >= 0, --prefix-cache-disk-gb > 0"
+    if args.kv_group_size not in (32, 64, 128) or args.quantized_kv_start < 0:
+        return "--kv-group-size must be 32, 64 or 128 and --quantized-kv-start >= 0"
     template = args.chat_template
     if template is not None and "{" not in template:  # a path: a template always has a {{ or {% in it
         try:
@@ -294,7 +310,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
         vision_cache_bytes=int(args.vision_cache_mb * 2**20), stall_timeout_s=args.stream_stall_timeout,
         mm_prefix_cache=args.mm_prefix_cache, mm_prefix_cache_bytes=int(args.mm_prefix_cache_gb * 2**30),
-        pipeline_timeout_s=args.pipeline_timeout, speculative=speculative,
+        pipeline_timeout_s=args.pipeline_timeout, speculative=speculative, kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
+        prefix_cache_dir=str(args.prefix_cache_dir) if args.prefix_cache_dir else None,
+        prefix_cache_disk_bytes=int(args.prefix_cache_disk_gb * 2**30),
     )
     return ServeConfig(
         models=tuple(args.model), host=args.host, port=args.port, api_key=args.api_key,

@@ -28,6 +28,9 @@ _GAUGES = {
     "mm_prefix_bytes": ("vlmserve_mm_prefix_cache_bytes", None, "KV bytes the image-keyed prefix cache holds"),
     "mm_prefix_entries": ("vlmserve_mm_prefix_cache_entries", None, "Image prompts whose KV the image-keyed prefix "
                           "cache holds"),
+    "disk_bytes": ("vlmserve_prefix_cache_disk_bytes", None, "Bytes of prefix KV files in --prefix-cache-dir"),
+    "disk_entries": ("vlmserve_prefix_cache_disk_entries", None, "Prefix KV files in --prefix-cache-dir"),
+    "disk_writes_pending": ("vlmserve_prefix_cache_disk_writes_pending", None, "Prefix KV files waiting to be written"),
 }
 # key: (our name, vLLM's name or None, help); counters, so each gets ``_total``
 _COUNTERS = {
@@ -51,6 +54,15 @@ _COUNTERS = {
                                "the image-keyed prefix cache"),
     "prefix_budget_evictions": ("vlmserve_prefix_cache_budget_evictions", None, "Cached prefixes (text and "
                                 "image-keyed) dropped to give the KV budget to running requests"),
+    "disk_hits": ("vlmserve_prefix_cache_disk_hits", None, "Prompts whose prefix was read back from disk"),
+    "disk_misses": ("vlmserve_prefix_cache_disk_misses", None, "Disk lookups that found no file to read"),
+    "disk_rejected": ("vlmserve_prefix_cache_disk_rejected", None, "Files ignored and deleted: corrupt, truncated, "
+                      "or another model's, KV's or version's"),
+    "disk_read_bytes": ("vlmserve_prefix_cache_disk_read_bytes", None, "Bytes of prefix KV read from disk"),
+    "disk_read_seconds": ("vlmserve_prefix_cache_disk_read_seconds", None, "Seconds spent reading prefix KV files"),
+    "disk_written_bytes": ("vlmserve_prefix_cache_disk_written_bytes", None, "Bytes of prefix KV written to disk"),
+    "disk_write_seconds": ("vlmserve_prefix_cache_disk_write_seconds", None, "Seconds the writer thread spent "
+                           "writing prefix KV files"),
     # vLLM's prefix-cache counters count tokens, over every prompt: both stores here
     "all_query_tokens": ("vlmserve_prefix_cache_all_query_tokens", "vllm:prefix_cache_queries",
                          "Prompt tokens looked up in a prefix cache (text and image-keyed)"),
@@ -79,6 +91,9 @@ def _engine_values(engine: Any) -> tuple[dict[str, float], dict[str, float]] | N
     gauges.update(vision_bytes=vision.bytes if vision else 0, vision_entries=vision.entries if vision else 0,
                   mm_prefix_bytes=mm.bytes if mm else 0, mm_prefix_entries=mm.entries if mm else 0)
     stores = [store for store in (prefix, mm) if store is not None]
+    disk = m.disk
+    gauges.update(disk_bytes=disk.bytes if disk else 0, disk_entries=disk.entries if disk else 0,
+                  disk_writes_pending=disk.writes_pending if disk else 0)
     counters = {"prefix_hits": prefix.hits if prefix else 0, "prefix_misses": prefix.misses if prefix else 0,
                 "prefix_hit_tokens": prefix.hit_tokens if prefix else 0,
                 "prefix_query_tokens": prefix.query_tokens if prefix else 0, "stalled": engine.stalled,
@@ -89,6 +104,9 @@ def _engine_values(engine: Any) -> tuple[dict[str, float], dict[str, float]] | N
                 "prefix_budget_evictions": sum(store.budget_evictions for store in stores),
                 "all_query_tokens": sum(store.query_tokens for store in stores),
                 "all_hit_tokens": sum(store.hit_tokens for store in stores),
+                **{f"disk_{k}": getattr(disk, k) if disk else 0 for k in ("hits", "misses", "rejected", "read_bytes",
+                                                                            "read_seconds", "written_bytes",
+                                                                            "write_seconds")},
                 "spec_drafts": m.spec_drafts, "spec_draft_tokens": m.spec_draft_tokens,
                 "spec_accepted_tokens": m.spec_accepted_tokens}
     return gauges, counters

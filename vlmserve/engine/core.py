@@ -13,6 +13,8 @@ from typing import Protocol
 
 from vlmserve.engine.caches import EngineCaches
 from vlmserve.engine.costs import FLOOR_TOKENS, StepCosts, measure_costs
+from vlmserve.engine.disk_store import DiskStore
+from vlmserve.engine.disk_tier import IMAGES, TEXT, DiskTier, identity
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import LoadedModel, default_kv_budget
 from vlmserve.engine.memory import KVBudget, measure_footprint
@@ -70,6 +72,17 @@ def scheduler_config(adapter: ModelAdapter, config: EngineConfig) -> SchedulerCo
                            config.speculative if verifies else None, verifies)
 
 
+def disk_tier(loaded: LoadedModel, config: EngineConfig, prefill_s: Callable[[], float]) -> DiskTier | None:
+    """The prefix stores' disk tier where ``--prefix-cache-dir`` asks for one (it locks the directory)."""
+    if config.prefix_cache_dir is None:
+        return None
+    quant = loaded.adapter.kv_quant
+    kv = f"{quant.bits}-{quant.group_size}-{quant.start}" if quant is not None else "full"
+    store = DiskStore(config.prefix_cache_dir, config.prefix_cache_disk_bytes,
+                      identity(loaded.path, loaded.model_type, loaded.model, kv))
+    return DiskTier(store, loaded.adapter.make_cache, prefill_s)
+
+
 def new_request(loaded: LoadedModel, request_id: str, prompt: PromptInputs, params: SamplingParams,
                 arrival_time: float | None = None) -> Request:
     """A request as the scheduler sees it, with what the family allows its prompt."""
@@ -94,6 +107,7 @@ class EngineCore:
         self.config = config
         self.kv = KVBudget(config.kv_cache_bytes)
         self.caches = EngineCaches(None, None)
+        self.tier = disk_tier(loaded, config, lambda: self.costs.prompt_token_s)  # kept across reset_caches
         self._new_caches()
         self.scheduler = Scheduler(scheduler_config(loaded.adapter, config), self.kv, self.caches)
         self.runner: Runner = runner if runner is not None else runner_for(loaded, self.caches)
@@ -106,12 +120,15 @@ class EngineCore:
 
     def _new_caches(self) -> None:
         config = self.config
-        prefix = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes) if config.prefix_cache else None
+        tier = self.tier
+        prefix = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes, tier, TEXT) \
+            if config.prefix_cache else None
         keeps = self.loaded.adapter.vision_cache and config.vision_cache_bytes > 0
         self.caches.prefix = prefix
         self.caches.vision = VisionCache(config.vision_cache_bytes) if keeps else None
         exact = config.mm_prefix_cache and self.loaded.adapter.mm_prefix_exact
-        self.caches.mm_prefix = PrefixCache(config.prefix_cache_entries, config.mm_prefix_cache_bytes) if exact else None
+        self.caches.mm_prefix = PrefixCache(config.prefix_cache_entries, config.mm_prefix_cache_bytes, tier, IMAGES) \
+            if exact else None
         self.caches.media_ids = self.loaded.adapter.media_token_ids()
         self.caches.mm_limit = self.loaded.adapter.mm_prefix_limit
 
@@ -130,6 +147,15 @@ class EngineCore:
         self.worker.assert_on_worker()
         self.costs.prompt_token_s, self.costs.decode_step_s, self.costs.sync_step_s = measure_costs(self.runner, prompt)
         return self.costs
+
+    def close_caches(self) -> None:
+        """A clean shutdown: what the prefix stores hold goes to the disk tier, whose writes then finish."""
+        self.worker.assert_on_worker()
+        if self.tier is not None:
+            for store in (self.caches.prefix, self.caches.mm_prefix):
+                if store is not None:
+                    store.spill_all()
+            self.tier.close()
 
     def reset_caches(self) -> None:
         """Forget every cached prefix and image, and their counters (after the warm-up, whose
@@ -291,6 +317,7 @@ class EngineCore:
         m.batch_size = sum(r.encoded and r.prefill_done for r in self.scheduler.running)
         m.kv_reserved_bytes, m.kv_budget_bytes = self.scheduler.kv_reserved_bytes, self.kv.limit_bytes
         m.prefix, m.vision, m.mm_prefix = self.caches.stats()
+        m.disk = self.tier.stats() if self.tier is not None else None
 
     def snapshot(self) -> EngineMetrics:
         """Exact counters between steps (call on the worker); ``metrics`` may lag a step."""

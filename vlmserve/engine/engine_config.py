@@ -31,10 +31,20 @@ class EngineConfig:
     # and only on families where that is exact (engine/caches.py); its own store, bounded in bytes:
     mm_prefix_cache: bool = False
     mm_prefix_cache_bytes: int = 1 << 30
+    # The prefix stores' disk tier (engine/disk_tier.py): where what they evict, and hold at shutdown, is kept
+    # across restarts (None: nowhere), and the most it holds
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_bytes: int = 16 << 30
     dtype: str = DEFAULT_DTYPE  # the float weights' dtype when served (loader.serving_dtype)
     trust_remote_code: bool = False  # passed to mlx-vlm's loader (a processor with its own code)
     chat_template: str | None = None  # a Jinja chat template that replaces the model's own
     kv_cache_bytes: int | None = None  # the KV budget; None: sized from the machine's memory (engine/memory.py)
+    # Quantized KV (engine/kv_quant.py): bits per value (4 or 8; None: full precision), values per scale and
+    # bias, and the positions a layer holds before it is packed (0: from its first forward; mlx-lm's 5000
+    # would leave every short prompt in full precision, and the budget could not count on the saving)
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
     vision_cache_bytes: int = 256 << 20  # image features kept across requests; 0: off (engine/vision_cache.py)
     # Serve across the ranks of an ``mlx.launch`` group (engine/pipeline.py): set by ``vlmserve serve`` on rank 0.
     pipeline: bool = False

@@ -30,19 +30,28 @@ class KVFootprint:
     per_position: int = 0  # over the full-attention layers
     windows: tuple[tuple[int, int], ...] = ()  # (bytes per position, window) of sliding-window layers
     fixed: int = 0  # state that does not grow with positions
+    # Quantized KV from a start (--quantized-kv-start > 0): (bytes per position once packed, the start).
+    # Before it the full-attention layers cost ``per_position`` each; from it, all their positions are packed.
+    packed: tuple[int, int] | None = None
 
     def row_bytes(self, positions: int) -> int:
         windowed = sum(per * min(positions, window) for per, window in self.windows)
-        return self.per_position * positions + windowed + self.fixed
+        full = self.per_position * positions
+        if self.packed is not None:  # the most it holds on its way there: just before, or at the end
+            per, start = self.packed
+            full = max(self.per_position * min(positions, start), per * positions)
+        return full + windowed + self.fixed
 
     @classmethod
     def measure(cls, cache: Sequence[Any]) -> KVFootprint:
-        """From one request's prefilled cache (mlx-lm's KVCache, RotatingKVCache, ArraysCache)."""
+        """From one request's prefilled cache (mlx-lm's KVCache, RotatingKVCache, ArraysCache, and the
+        quantized caches, whose keys and values are each a packed array, scales and biases)."""
         per_position, windows, fixed = 0, [], 0
         for layer in cache:
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if keys is not None and values is not None and hasattr(keys, "shape"):
-                per = (keys.nbytes + values.nbytes) // max(1, keys.shape[2])  # [batch, heads, positions, dim]
+            parts = [*_parts(keys), *_parts(values)]
+            if parts and keys is not None and values is not None:
+                per = sum(p.nbytes for p in parts) // max(1, parts[0].shape[2])  # [batch, heads, positions, dim]
                 window = getattr(layer, "max_size", None)
                 if window:
                     windows.append((per, int(window)))
@@ -51,6 +60,12 @@ class KVFootprint:
             else:
                 fixed += sum(a.nbytes for a in _arrays(getattr(layer, "state", ())))
         return cls(per_position, tuple(windows), fixed)
+
+
+def _parts(x: Any) -> list[Any]:
+    """A layer's keys (or values) as arrays: one, or a quantized cache's three; none if not arrays."""
+    parts = list(x) if isinstance(x, tuple) else [x]
+    return parts if all(hasattr(p, "shape") and hasattr(p, "nbytes") for p in parts) else []
 
 
 def measure_footprint(runner: Any, prompt: PromptInputs) -> KVFootprint:
@@ -66,6 +81,10 @@ def measure_footprint(runner: Any, prompt: PromptInputs) -> KVFootprint:
         if out.errors:
             raise RuntimeError(f"could not measure the KV cache: {out.errors[probe]}")
         footprint = KVFootprint.measure(runner.batch.cache)
+        quant = runner.adapter.kv_quant
+        if quant is not None and quant.start > 0:  # packed from a start: what a packed row costs, too
+            packed = KVFootprint.measure([quant.quantized(layer) for layer in runner.batch.cache])
+            footprint = replace(footprint, packed=(packed.per_position, quant.start))
         draft = runner.batch.draft  # a drafter with a KV of its own (engine/mtp.py): an entry per position too
         if draft is not None:
             footprint = replace(footprint, per_position=footprint.per_position + draft.bytes_per_position())

@@ -9,12 +9,16 @@ content hash (``engine/caches.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, LRUPromptCache, PromptTrie, can_trim_prompt_cache, trim_prompt_cache
 from mlx_vlm.models.cache import KVCache as VlmKVCache
+
+from vlmserve.engine.disk_tier import DiskTier
+from vlmserve.engine.kv_quant import compact_layer
 
 _PLAIN_KV = (KVCache, VlmKVCache)  # mlx-lm's and mlx-vlm's own: the same layout (keys [B, heads, capacity, dim])
 
@@ -30,13 +34,21 @@ class PrefixCacheStats:
     hit_tokens: int
     query_tokens: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries; hit_tokens its hits)
     budget_evictions: int = 0  # entries dropped to give the KV budget to running requests
+    disk_hits: int = 0  # lookups served from the disk tier (counted in hits too)
+    disk_hit_tokens: int = 0
 
 
 class PrefixCache:
-    """An LRU of per-request KV caches bounded in entries and bytes (mlx-lm's trie-backed LRU)."""
+    """An LRU of per-request KV caches bounded in entries and bytes (mlx-lm's trie-backed LRU); with a
+    disk tier, what it evicts goes to disk under this store's ``marker`` and is looked up there too."""
 
-    def __init__(self, max_entries: int, max_bytes: int) -> None:  # EngineConfig's prefix_cache_*
+    def __init__(self, max_entries: int, max_bytes: int, tier: DiskTier | None = None, marker: int = 0) -> None:
         self._lru = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
+        self.tier, self.marker = tier, marker
+        if tier is not None:  # every entry the LRU lets go of (its bounds, the KV budget) passes through pop
+            self._lru._trie = _SpillingTrie(lambda tokens, cache: tier.spill(marker, tokens, cache))
+        self.disk_hits = 0
+        self.disk_hit_tokens = 0
         self.hits = 0
         self.misses = 0
         self.hit_tokens = 0
@@ -55,6 +67,12 @@ class PrefixCache:
                 cached -= 1
             else:
                 cache, cached = None, 0
+        if self.tier is not None:
+            found = self.tier.lookup(self.marker, tokens, max(cached, 0))
+            if found is not None:  # more of the prompt than memory had
+                cache, cached = found
+                self.disk_hits += 1
+                self.disk_hit_tokens += cached
         if cache is None or cached <= 0:
             self.misses += 1
             return None, 0
@@ -66,6 +84,11 @@ class PrefixCache:
         """Keep a finished prefill's KV, compacted (``compact``); the caller must not mutate ``cache``
         afterwards."""
         self._lru.insert_cache(_KEY, list(tokens), compact(cache))
+
+    def spill_all(self) -> None:
+        """Every entry to the disk tier (a clean shutdown's)."""
+        if self.tier is not None:
+            self._lru.trim_to(n_sequences=0)
 
     @property
     def nbytes(self) -> int:
@@ -81,7 +104,21 @@ class PrefixCache:
 
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(len(self._lru), self.nbytes, self.hits, self.misses, self.hit_tokens,
-                                self.query_tokens, self.budget_evictions)
+                                self.query_tokens, self.budget_evictions, self.disk_hits, self.disk_hit_tokens)
+
+
+class _SpillingTrie(PromptTrie):
+    """mlx-lm's prompt trie, handing each entry it pops (evicted) to ``spill`` first."""
+
+    def __init__(self, spill: Callable[[list[int], list[Any]], None]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx-lm leaves it unannotated
+        self.spill = spill
+
+    def pop(self, model: Any, tokens: list[int]) -> Any:
+        entry = super().pop(model, tokens)
+        if entry is not None:
+            self.spill(list(tokens), entry.prompt_cache)
+        return entry
 
 
 def compact(cache: list[Any]) -> list[Any]:
@@ -97,5 +134,5 @@ def compact(cache: list[Any]) -> list[Any]:
             cut.offset = layer.offset
             mx.eval(cut.keys, cut.values)
             layer = cut
-        out.append(layer)
+        out.append(compact_layer(layer))
     return out

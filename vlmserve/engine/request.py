@@ -15,6 +15,7 @@ from vlmserve.engine.params import PromptInputs, SamplingParams
 from vlmserve.engine.speculative import Acceptance
 
 if TYPE_CHECKING:  # no MLX here: the prefix cache module imports mlx-lm
+    from vlmserve.engine.disk_store import DiskStoreStats
     from vlmserve.engine.prefix_cache import PrefixCacheStats
     from vlmserve.engine.vision_cache import VisionCacheStats
 
@@ -71,6 +72,7 @@ class EngineMetrics:
     prefix: PrefixCacheStats | None = None
     vision: VisionCacheStats | None = None
     mm_prefix: PrefixCacheStats | None = None  # the image-keyed prefix cache (opt-in)
+    disk: DiskStoreStats | None = None  # the prefix stores' disk tier (--prefix-cache-dir)
     # Speculative decoding (vLLM's spec_decode counters): drafts verified, their tokens, those accepted,
     # and accepted by position in the draft
     spec_drafts: int = 0

@@ -26,6 +26,7 @@ import numpy as np
 from vlmserve.engine import guided
 from vlmserve.engine.batch import DecodeBatch
 from vlmserve.engine.caches import EngineCaches
+from vlmserve.engine.kv_quant import merge_rows
 from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.models import Embedded
 from vlmserve.engine.models.base import tapped
@@ -250,7 +251,7 @@ class ModelRunner:
         rows = 1 + len(forks)  # n > 1: the prompt's KV and state copied into a row per fork
         row_state = {k: mx.concatenate([v] * rows) if rows > 1 else v for k, v in embedded.row_state.items()}
         draft = self._mtp().first([row.draft], [[s.token_id for s in firsts]]) if row.draft is not None else None
-        self._join(ids, [type(c).merge([c] * rows) for c in row.cache], row_state, sampling, firsts, draft)
+        self._join(ids, [merge_rows(c, rows) for c in row.cache], row_state, sampling, firsts, draft)
 
     def _prefill_scored(self, row: PromptRow, embedded: Embedded, chunk: PrefillChunk) -> mx.array:
         """A chunk whose every position's logits are kept: each next prompt token's logprob (and the
@@ -350,6 +351,8 @@ class ModelRunner:
         """Prefilled prompts become the decode batch's last rows; each one's first token is its next input."""
         for request_id in request_ids:
             self.prompts.pop(request_id, None)  # a fork (n > 1) had no prompt row of its own
+        if self.adapter.kv_quant is not None and self.batch.cache is not None:
+            self.adapter.kv_quant.align(self.batch.cache, cache)  # a batch's rows share one precision per layer
         self.batch.extend(request_ids, cache, row_state, sampling, [s.token_id for s in firsts], draft)
 
     # -- decode ---------------------------------------------------------------------
@@ -371,6 +374,7 @@ class ModelRunner:
         if self.drafter is not None:  # the drafter's next input: each row's hidden state at this position
             row_state, sink = self.drafter.hidden_sink(row_state)
         logits = self.adapter.decode(batch.tokens[:, None], batch.cache, row_state)
+        self.adapter.settle(batch.cache)
         step = sample(logits, batch.sampling, batch.tokens, guided.allowed(batch.sampling, logits.shape[-1]))
         if self.drafter is not None and sink:
             self.drafter.after_decode(batch, step.tokens, self.drafter.recorded(sink))
@@ -393,6 +397,8 @@ class ModelRunner:
             out.unread.update(self.batch.request_ids)
             return
         verified = verify(self.adapter, self.batch, step, out.errors, self.drafter)
+        if self.batch.cache is not None:
+            self.adapter.settle(self.batch.cache)
         for request_id, picked in verified.samples.items():
             tokens = [*([step.earlier[request_id]] if request_id in step.earlier else []), *picked]
             out.samples[request_id], out.more[request_id] = tokens[0], tokens[1:]

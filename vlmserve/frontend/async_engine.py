@@ -24,6 +24,7 @@ from PIL import Image
 from vlmserve.engine.caches import EngineCaches
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.engine_config import EngineConfig
+from vlmserve.engine.kv_quant import kv_quant_for
 from vlmserve.engine.loader import LoadedModel, ModelLoadError, configure_process, load_drafter, load_model
 from vlmserve.engine.memory import KVBudget
 from vlmserve.engine.models import SUPPORTED_FAMILIES
@@ -120,6 +121,7 @@ class AsyncEngine:
         # On the loop when the engine can never serve again (its worker died, a pipeline rank was lost):
         self.on_dead: Callable[[str], None] | None = None
         self.stage: Stage | None = None  # this rank's layers, when served across ranks
+        self.kv_quant_off: str | None = None  # why --kv-bits is off for this model, where it was asked for
         self._runner: LeaderRunner | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._metrics = EngineMetrics()
@@ -167,6 +169,12 @@ class AsyncEngine:
                  "requests decode", self.name, costs.prompt_token_s * 1e3, costs.decode_step_s * 1e3,
                  costs.stream_tokens())
         self._log_speculation()
+        quant = self.loaded.adapter.kv_quant
+        if quant is not None:
+            log.info("model %s: KV quantized to %d bits (groups of %d) from %d positions, sliding-window and recurrent "
+                     "layers excepted", self.name, quant.bits, quant.group_size, quant.start)
+        elif self.kv_quant_off is not None:
+            log.warning("model %s (%s): --kv-bits is off: %s", self.name, self.loaded.model_type, self.kv_quant_off)
         if self.config.mm_prefix_cache and not self.loaded.adapter.mm_prefix_exact:
             log.info("model %s (%s): --mm-prefix-cache is off for this family: reusing an image prompt's cached "
                      "prefix is not proven exact here", self.name,
@@ -201,6 +209,11 @@ class AsyncEngine:
             loaded.drafter = load_drafter(spec, loaded, self.config.pipeline)
         if self.config.max_model_len:
             loaded.max_context = min(loaded.max_context, self.config.max_model_len)
+        config, adapter = self.config, loaded.adapter
+        reads_target = loaded.drafter is not None and not loaded.drafter.reads_prompt  # Gemma 4's assistant
+        adapter.kv_quant, self.kv_quant_off = kv_quant_for(adapter.make_cache(), config.kv_bits, config.kv_group_size,
+                                                           config.quantized_kv_start, adapter.packs_kv, reads_target,
+                                                           config.pipeline)
         return loaded
 
     # -- across ranks ----------------------------------------------------------------------
@@ -317,6 +330,10 @@ class AsyncEngine:
                 await asyncio.wait_for(self.worker.run(self.core.fail_all, message), timeout=10)
             except Exception:  # noqa: BLE001 - a dying worker is being stopped anyway
                 log.warning("engine %s: could not fail requests on the worker", self.name)
+            try:  # what the prefix stores hold goes to the disk tier (--prefix-cache-dir)
+                await asyncio.wait_for(self.worker.run(self.core.close_caches), timeout=120)
+            except Exception:  # noqa: BLE001 - a dying worker is being stopped anyway
+                log.warning("engine %s: could not write the prefix caches to disk", self.name)
             if self._runner is not None:  # then every other rank stops
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.worker.run(self._runner.close), timeout=10)

@@ -7,6 +7,8 @@ the thread that loaded the model (the engine's worker: ``worker.call(reference_g
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -15,16 +17,44 @@ from vlmserve.engine.params import PromptInputs
 from vlmserve.engine.runner import on_device
 
 
-def reference_greedy(model: Any, prompt: PromptInputs, max_tokens: int) -> list[int]:
-    """``mlx_vlm.generate``'s step function, greedy, on exactly these inputs; never stops at EOS."""
+def reference_greedy(model: Any, prompt: PromptInputs, max_tokens: int, **kv: Any) -> list[int]:
+    """``mlx_vlm.generate``'s step function, greedy, on exactly these inputs; never stops at EOS. ``kv``:
+    its KV quantization keywords (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``)."""
     from mlx_vlm.generate.ar import generate_step
 
     input_ids = mx.array(prompt.input_ids, dtype=mx.int32)[None]
     arrays = on_device(prompt.arrays)
     pixel_values = arrays.pop("pixel_values", None)
     mask = mx.ones(input_ids.shape, dtype=mx.int32)  # the processor's attention mask for one prompt
-    steps = generate_step(input_ids, model, pixel_values, mask, max_tokens=max_tokens, temperature=0.0, **arrays)
-    return [int(token) for token, _ in steps]
+    with _windows_kept(bool(kv.get("kv_bits"))):
+        steps = generate_step(input_ids, model, pixel_values, mask, max_tokens=max_tokens, temperature=0.0, **kv,
+                              **arrays)
+        return [int(token) for token, _ in steps]
+
+
+@contextmanager
+def _windows_kept(on: bool) -> Iterator[None]:
+    """While open, mlx-vlm's KV quantization leaves sliding-window layers as they are (its own tries
+    to pack them and raises NotImplementedError): every other layer is packed by mlx-vlm's code."""
+    import mlx_vlm.generate as module
+    from mlx_vlm.generate.common import maybe_quantize_kv_cache
+    from mlx_vlm.models.cache import RotatingKVCache
+
+    def plain_only(prompt_cache: list[Any], *args: Any, **kwargs: Any) -> None:
+        plain = [i for i, c in enumerate(prompt_cache) if not isinstance(c, RotatingKVCache)]
+        view = [prompt_cache[i] for i in plain]
+        maybe_quantize_kv_cache(view, *args, **kwargs)
+        for i, layer in zip(plain, view):
+            prompt_cache[i] = layer
+
+    if not on:
+        yield
+        return
+    module.maybe_quantize_kv_cache = plain_only  # type: ignore[attr-defined]  # generate_step looks it up here
+    try:
+        yield
+    finally:
+        del module.maybe_quantize_kv_cache  # type: ignore[attr-defined]
 
 
 def reference_prompt_logprobs(model: Any, prompt: PromptInputs) -> list[float | None]:

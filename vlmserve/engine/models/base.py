@@ -28,6 +28,7 @@ from mlx_vlm.models.cache import make_prompt_cache
 from mlx_vlm.speculative.cache_state import commit_speculative_round
 from mlx_vlm.speculative.common import verify_forward
 
+from vlmserve.engine.kv_quant import KVQuant
 from vlmserve.engine.params import ImageItem, PromptInputs
 
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")  # what the vision tower reads; never language-model keywords
@@ -86,12 +87,20 @@ class ModelAdapter:
         # Tokens inside an image's placeholder span besides its image token (set by the loader from the
         # processor: Pixtral's row breaks), so that a span is one run however it is laid out
         self.span_token_ids: frozenset[int] = frozenset()
+        # Quantized KV (--kv-bits; engine/kv_quant.py), set by the loader where the family allows it
+        self.kv_quant: KVQuant | None = None
 
     @property
     def mm_prefix_exact(self) -> bool:
         """Does a restored prefix of an image prompt (the opt-in image-keyed cache) continue exactly as
         a whole prefill would? Only where tested (``tests/test_engine_mm_prefix.py``): off by default."""
         return False
+
+    @property
+    def packs_kv(self) -> str | None:
+        """Why this family's KV cannot be quantized (``--kv-bits``), or None where it can: its attention
+        must read a packed cache through mlx-vlm's quantized attention."""
+        return None
 
     @property
     def verifies_drafts(self) -> bool:
@@ -196,8 +205,14 @@ class ModelAdapter:
             **keep,
             **embedded.lm_kwargs,
         )
+        self.settle(cache)
         logits: mx.array = out.logits[0] if every_position else out.logits[:, -1, :]
         return logits
+
+    def settle(self, cache: list[Any]) -> None:
+        """After a forward: with quantized KV on, pack each layer that now holds enough positions."""
+        if self.kv_quant is not None:
+            self.kv_quant.settle(cache)
 
     def prefill_rows(self, input_ids: list[mx.array], embedded: list[Embedded],
                      split_last: bool) -> tuple[mx.array, list[Any]]:
@@ -248,6 +263,7 @@ class ModelAdapter:
         caches = [cache[i] if first <= i < last else scratch[i] for i in range(len(layers))]
         with tapped(text_model, "layers", first, last, hidden) as exit_tap:
             logits = self.prefill(input_ids, embedded, 0, input_ids.shape[1], caches)
+        self.settle(cache)  # the piece's layers are filled now (``prefill`` settled its own list)
         assert exit_tap.output is not None
         return logits, exit_tap.output
 
@@ -271,6 +287,7 @@ class ModelAdapter:
                   for k, v in kwargs.items()}
         out = self.language_model(ids[:, start:end], inputs_embeds=embeds[:, start:end], cache=cache,
                                   logits_to_keep=1, **window)
+        self.settle(cache)
         logits: mx.array = out.logits[:, -1, :]
         return logits
 

@@ -103,6 +103,13 @@ class PaliGemmaAdapter(ModelAdapter):
         text_config = getattr(self.model.config, "text_config", None)
         return not getattr(text_config, "use_bidirectional_attention", False) and super().can_chunk(prompt)
 
+    @property
+    def packs_kv(self) -> str | None:
+        text_type = getattr(getattr(self.model.config, "text_config", None), "model_type", "gemma")
+        if text_type == "gemma":  # PaliGemma 1's attention is mlx-vlm's shared one
+            return None
+        return f"mlx-vlm's PaliGemma attention on {text_type} multiplies float keys itself (soft-capped)"
+
     def decode(self, tokens: mx.array, cache: list[Any], row_state: dict[str, mx.array]) -> mx.array:
         # Attending both ways, mlx-vlm's PaliGemma builds no mask at all, so in a left-padded batch
         # a decode token would attend to its row's padding. One new token is causal anyway: mask it.

@@ -1,0 +1,95 @@
+"""The prefix stores' disk tier (``--prefix-cache-dir``, issue 45) on the real worker, MLX and files.
+
+What the stores hold at a clean shutdown is written to disk; a restarted engine reads it back when
+the same chat comes again, reports the prompt as cached and answers as a cold prefill does, greedy.
+Files that are corrupt, truncated or another model's are ignored and deleted; another picture with
+the same words reuses nothing past the text before it. The file format itself is tested in
+``test_engine_disk_store.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import gather, running_engine, scene
+
+from vlmserve.engine.params import SamplingParams
+from vlmserve.testing import build_model
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+RED, BLUE = scene("circle", (220, 30, 30)), scene("square", (30, 60, 220))
+SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 15}  # a shared prefix, within Gemma's window
+
+
+def _chat(question: str) -> list[dict[str, Any]]:
+    return [SYSTEM, {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+
+
+async def _ask(directory: Path | None, arch: str, chats: list[tuple[list[dict[str, Any]], list[Any]]],
+               seen: list[Any] | None = None, **config: Any) -> list[tuple[list[int], int, int]]:
+    """Each chat's greedy tokens, cached prompt tokens and prompt length, on one engine; ``seen`` gets
+    its disk tier's stats before the shutdown."""
+    dirs = {"prefix_cache_dir": str(directory)} if directory is not None else {}
+    async with running_engine(build_model(arch, "micro"), mm_prefix_cache=True, **dirs, **config) as engine:
+        out = []
+        for i, (messages, images) in enumerate(chats):
+            result = await gather(engine.generate_chat(f"c{i}", messages, images, None, GREEDY))
+            assert result.error is None, result.error
+            out.append((result.token_ids, result.num_cached_tokens, result.num_prompt_tokens))
+        if seen is not None:
+            seen.append((await engine.stats()).disk)
+        return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3"])
+def test_a_restart_reads_the_chat_back_from_disk_and_answers_as_a_cold_prefill(arch: str, tmp_path: Path) -> None:
+    chat = (_chat("What is this?"), [RED])
+    cold = asyncio.run(_ask(None, arch, [chat]))
+    first = asyncio.run(_ask(tmp_path, arch, [chat]))  # stores it; the shutdown writes it to disk
+    assert list(tmp_path.glob("*.kv")), "nothing was written at shutdown"
+    again = asyncio.run(_ask(tmp_path, arch, [chat]))  # a new engine: only the disk holds it
+    tokens, cached, prompt = again[0]
+    assert first[0][0] == cold[0][0] and tokens == cold[0][0]
+    assert cached >= 0.9 * prompt, (cached, prompt)
+
+
+def test_another_picture_with_the_same_words_reuses_only_the_text_before_it(tmp_path: Path) -> None:
+    asyncio.run(_ask(tmp_path, "qwen2_5_vl", [(_chat("What is this?"), [RED])]))
+    (other, cached, prompt), = asyncio.run(_ask(tmp_path, "qwen2_5_vl", [(_chat("What is this?"), [BLUE])]))
+    (cold, _, _), = asyncio.run(_ask(None, "qwen2_5_vl", [(_chat("What is this?"), [BLUE])]))
+    assert other == cold and 0 <= cached < prompt - 20  # the picture's tokens and all after it are prefilled
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "other model"])
+def test_damaged_or_foreign_files_are_ignored_and_deleted(damage: str, tmp_path: Path) -> None:
+    chat = (_chat("What is this?"), [RED])
+    asyncio.run(_ask(tmp_path, "qwen2_5_vl", [chat]))
+    files = list(tmp_path.glob("*.kv"))
+    assert files
+    for file in files:
+        data = bytearray(file.read_bytes())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0xFF
+            file.write_bytes(bytes(data))
+        elif damage == "truncate":
+            file.write_bytes(bytes(data[: len(data) // 2]))
+    arch = "qwen2_vl" if damage == "other model" else "qwen2_5_vl"  # the same chat on another model: foreign
+    seen: list[Any] = []
+    (tokens, cached, _), = asyncio.run(_ask(tmp_path, arch, [chat], seen))
+    (cold, _, _), = asyncio.run(_ask(None, arch, [chat]))
+    assert tokens == cold and cached == 0
+    assert seen[0].rejected == len(files) and seen[0].hits == 0  # each one dropped (and deleted), none served
+
+
+def test_packed_kv_goes_to_disk_and_back(tmp_path: Path) -> None:
+    chat = (_chat("What is this?"), [RED])
+    quant = {"kv_bits": 8, "kv_group_size": 32}
+    asyncio.run(_ask(tmp_path, "qwen2_5_vl", [chat], **quant))
+    (tokens, cached, prompt), = asyncio.run(_ask(tmp_path, "qwen2_5_vl", [chat], **quant))
+    assert cached >= 0.9 * prompt and len(tokens) == GREEDY.max_tokens
+    # full-precision files are another KV's: never served to a packed engine, nor the other way
+    (_, cached_full, _), = asyncio.run(_ask(tmp_path, "qwen2_5_vl", [chat]))
+    assert cached_full == 0

@@ -1,0 +1,161 @@
+"""[worker] The prefix stores' disk tier: what they evict (and hold at shutdown) goes to disk, and comes back.
+
+The worker turns a stored prefix's cache into host arrays (its layers' ``state`` and ``meta_state``,
+the arrays copied to numpy: a memory copy) and hands them to ``DiskStore``, whose own thread writes
+the file; nothing here waits for a disk write. A prompt whose memory stores hold less than a file
+does reads it back on the worker, when reading is cheaper than prefilling what it adds: reads are
+timed per byte, prefill per token (engine/costs.py). A file is restored into a fresh cache of the
+model (``adapter.make_cache``), layer by layer, so every attribute a cache class sets in its
+constructor is there; a layer of another kind than the model's makes the file foreign.
+
+Files are keyed by the model's identity (its config and weights' fingerprint, the serving dtype,
+the KV quantization, the vlmserve version) and the prefix's tokens, with each store's own marker
+first: the text store's keys and the image-keyed store's (tokens with image content hashes) never meet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_vlm.models.cache import QuantizedKVCache
+
+from vlmserve import __version__
+from vlmserve.engine.disk_store import DiskStore, DiskStoreStats
+
+log = logging.getLogger(__name__)
+
+TEXT, IMAGES = -1, -2  # each store's marker, the first "token" of its keys on disk
+_BANDWIDTH = 200e6  # bytes a second assumed for reads until one is timed (a slow laptop disk)
+
+
+class DiskTier:
+    """One model's disk tier: ``spill`` on eviction, ``lookup`` when the memory stores fall short."""
+
+    def __init__(self, store: DiskStore, make_cache: Callable[[], list[Any]],
+                 prefill_s: Callable[[], float]) -> None:
+        self.store = store
+        self.make_cache = make_cache
+        self.prefill_s = prefill_s  # a prompt token's measured prefill seconds (0: not measured yet)
+        self.skipped = 0  # files found but not read: prefilling their tokens was cheaper
+        self.trims = bool(can_trim_prompt_cache(make_cache()))  # may a longer file be cut back to a prompt?
+
+    def spill(self, store: int, tokens: Sequence[int], cache: list[Any]) -> None:
+        """Queue a stored prefix's cache for a file (the store's ``store`` marker, its key ``tokens``)."""
+        meta, arrays = to_host(cache)
+        self.store.put([store, *tokens], meta, arrays)
+
+    def lookup(self, store: int, tokens: list[int], beyond: int) -> tuple[list[Any], int] | None:
+        """A cache for more of ``tokens`` than ``beyond`` (what memory had), with one token left to compute,
+        read back from a file where that is faster than prefilling the difference; else None."""
+        found = self.store.find([store, *tokens], longer_ok=self.trims)
+        got = self._read(found, tokens, beyond) if found is not None else None
+        if got is None:
+            self.store.miss()
+        return got
+
+    def _read(self, found: tuple[int, str], tokens: list[int], beyond: int) -> tuple[list[Any], int] | None:
+        length, entry = found
+        usable = min(length - 1, len(tokens) - 1)  # the marker is not a position; one token stays to compute
+        if usable <= beyond or (usable < length - 1 and not self.trims):
+            return None
+        if not self._worth_reading(self.store.entry_bytes(entry), usable - beyond):
+            self.skipped += 1
+            return None
+        read = self.store.read(entry)
+        if read is None:
+            return None
+        file_tokens, meta, arrays = read
+        try:
+            cache = from_host(meta, arrays, self.make_cache())
+        except (KeyError, TypeError, ValueError) as exc:  # a layout this model does not have: never served
+            log.warning("prefix cache file for %d tokens does not fit this model (%s); ignored", len(file_tokens), exc)
+            return None
+        cut = len(file_tokens) - 1 - usable
+        if cut and not (can_trim_prompt_cache(cache) and cast(int, trim_prompt_cache(cache, cut)) == cut):
+            return None
+        return cache, usable
+
+    def _worth_reading(self, n_bytes: int, tokens: int) -> bool:
+        stats = self.store.stats()
+        bandwidth = stats.read_bytes / stats.read_seconds if stats.read_seconds > 0 else _BANDWIDTH
+        per_token = self.prefill_s()
+        return per_token <= 0 or n_bytes / bandwidth < tokens * per_token
+
+    def stats(self) -> DiskStoreStats:
+        return self.store.stats()
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def identity(path: Path, model_type: str, model: Any, kv: str) -> dict[str, str]:
+    """What must match for a file to be served: the model's config, its weights (each file's name, size
+    and first MiB: the header with every tensor's shape, dtype and offset, and the first values), the
+    dtypes it is served in, the KV quantization and this vlmserve."""
+    leaves = cast(list[tuple[str, Any]], tree_flatten(model.language_model.parameters()))
+    dtypes = sorted({str(leaf.dtype) for _, leaf in leaves})
+    weights = hashlib.sha256()
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as f:
+            weights.update(file.name.encode() + file.stat().st_size.to_bytes(8, "little") + f.read(1 << 20))
+    config = path / "config.json"
+    return {"model_type": model_type, "config": hashlib.sha256(config.read_bytes()).hexdigest() if config.exists()
+            else "", "weights": weights.hexdigest(), "dtype": ",".join(dtypes), "kv": kv, "vlmserve": __version__}
+
+
+def to_host(cache: list[Any]) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """A cache as JSON-able layout and numpy arrays (bfloat16, which numpy lacks, as its bits)."""
+    arrays: list[np.ndarray] = []
+    layers = []
+    for layer in cache:
+        meta = getattr(layer, "meta_state", None)
+        layers.append({"class": type(layer).__name__, "state": _flatten(layer.state, arrays),
+                       "meta": list(meta) if meta else None})
+    return {"layers": layers}, arrays
+
+
+def from_host(meta: dict[str, Any], arrays: list[np.ndarray], fresh: list[Any]) -> list[Any]:
+    """``to_host``'s output back into ``fresh`` (a new cache of the model), layer by layer."""
+    layers = meta["layers"]
+    if len(layers) != len(fresh):
+        raise ValueError(f"{len(layers)} layers, the model has {len(fresh)}")
+    for i, saved in enumerate(layers):
+        layer = fresh[i]
+        if saved["class"] == QuantizedKVCache.__name__ and type(layer).__name__ == "KVCache":
+            layer = fresh[i] = QuantizedKVCache()  # packed in the file: its group size and bits come with it
+        if saved["class"] != type(layer).__name__:
+            raise ValueError(f"layer {i} is a {saved['class']}, the model's a {type(layer).__name__}")
+        layer.state = _unflatten(saved["state"], arrays)
+        if saved["meta"] is not None:
+            layer.meta_state = tuple(saved["meta"])
+    return fresh
+
+
+def _flatten(value: Any, arrays: list[np.ndarray]) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return {"seq": [_flatten(v, arrays) for v in value], "tuple": isinstance(value, tuple)}
+    if isinstance(value, mx.array):
+        bf16 = value.dtype == mx.bfloat16
+        arrays.append(np.array(value.view(mx.uint16) if bf16 else value))
+        return {"array": len(arrays) - 1, "bf16": bf16}
+    raise TypeError(f"a cache state holds a {type(value).__name__}")
+
+
+def _unflatten(node: Any, arrays: list[np.ndarray]) -> Any:
+    if node is None:
+        return None
+    if "seq" in node:
+        items = [_unflatten(n, arrays) for n in node["seq"]]
+        return tuple(items) if node["tuple"] else items
+    array = mx.array(arrays[int(node["array"])])
+    return array.view(mx.bfloat16) if node["bf16"] else array
