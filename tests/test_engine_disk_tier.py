@@ -93,3 +93,42 @@ def test_packed_kv_goes_to_disk_and_back(tmp_path: Path) -> None:
     # full-precision files are another KV's: never served to a packed engine, nor the other way
     (_, cached_full, _), = asyncio.run(_ask(tmp_path, "qwen2_5_vl", [chat]))
     assert cached_full == 0
+
+
+def test_the_flags_through_the_server_sigterm_and_the_openai_client(tmp_path: Path) -> None:
+    """``serve --kv-bits 8 --prefix-cache-dir``: SIGTERM's drain writes the caches; a new server on the
+    directory serves the same chat from disk (usage and /metrics say so); a second one on it is refused."""
+    import httpx
+    import openai
+    from server_utils import image_data_url, start_server
+
+    args = ["--model", str(build_model("qwen2_5_vl", "micro")), "--mm-prefix-cache", "--kv-bits", "8",
+            "--kv-group-size", "32", "--prefix-cache-dir", str(tmp_path / "kv")]
+    messages = [SYSTEM, {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_data_url(RED)}},
+                                                     {"type": "text", "text": "What is this?"}]}]
+
+    def ask(server: Any) -> Any:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+
+    server = start_server(args, tmp_path / "first.log")
+    try:
+        first = ask(server)
+    finally:
+        assert server.stop() == 0
+    assert "KV quantized to 8 bits" in server.log
+    server = start_server(args, tmp_path / "second.log")
+    try:
+        refused = start_server(args, tmp_path / "third.log", wait_ready=False)
+        assert refused.proc.wait(60) != 0 and "in use by another server" in refused.log  # one directory per server
+        again = ask(server)
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    finally:
+        server.stop()
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 0.9 * again.usage.prompt_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
+    hits = next(float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("vlmserve_prefix_cache_disk_hits_total"))
+    assert hits == 1

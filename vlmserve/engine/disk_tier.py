@@ -86,8 +86,8 @@ class DiskTier:
     def _worth_reading(self, n_bytes: int, tokens: int) -> bool:
         stats = self.store.stats()
         bandwidth = stats.read_bytes / stats.read_seconds if stats.read_seconds > 0 else _BANDWIDTH
-        per_token = self.prefill_s()
-        return per_token <= 0 or n_bytes / bandwidth < tokens * per_token
+        per_token = self.prefill_s()  # 0 until measured: the warm-up's prompts never read the disk
+        return per_token > 0 and n_bytes / bandwidth < tokens * per_token
 
     def stats(self) -> DiskStoreStats:
         return self.store.stats()
