@@ -67,14 +67,15 @@ def test_every_family_serves_text_images_and_an_image_chat_at_8_and_4_bits(arch:
             assert all(n > 0 for n in cached[1:]), cached
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_5", "smolvlm", "lfm2_vl", "llava"])
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "paligemma"])
 def test_greedy_tokens_equal_mlx_vlm_quantized_generate_alone_and_batched(arch: str) -> None:
     model = build_model(arch, "micro")
 
     async def scenario() -> None:
-        # No prefix cache: a reused prefix is packed, and the rest of a prompt then reads packed KV
+        # No prefix cache: a reused prefix is packed, and the rest of a prompt then reads packed KV; prompts
+        # in one forward, as mlx-vlm's prefill_step_size (2048) has them: packing starts after it
         async with running_engine(model, kv_bits=4, kv_group_size=GROUP, max_batch_size=4,
-                                  prefill_chunk=512, prefix_cache=False) as engine:
+                                  prefill_chunk=4096, prefix_cache=False) as engine:
             prompts = [engine.prompter.build([{"role": "user", "content": f"Tell me about shape number {i}."}], [])
                        for i in range(3)]
             image = engine.prompter.build(*_chat(1))
@@ -87,7 +88,9 @@ def test_greedy_tokens_equal_mlx_vlm_quantized_generate_alone_and_batched(arch: 
             assert alone == refs
             assert [r.token_ids for r in together[:3]] == refs
             ref_image = engine.worker.call(reference_greedy, engine.loaded.model, image, 10, **quant)
-            assert together[3].token_ids == ref_image
+            # An image prompt prefilled whole (Gemma's spans attend both ways) computes its last token against
+            # exact KV; mlx-vlm splits that token off and computes it against packed KV
+            assert together[3].token_ids == ref_image or not engine.loaded.adapter.can_chunk(image)
             assert refs[0] != fp or arch != "qwen2_5_vl"  # 4 bits changes this one's answer: the KV is packed
 
     asyncio.run(scenario())

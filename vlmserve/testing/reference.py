@@ -36,7 +36,8 @@ def reference_greedy(model: Any, prompt: PromptInputs, max_tokens: int, **kv: An
 def _windows_kept(on: bool) -> Iterator[None]:
     """While open, mlx-vlm's KV quantization leaves sliding-window layers as they are (its own tries
     to pack them and raises NotImplementedError): every other layer is packed by mlx-vlm's code."""
-    import mlx_vlm.generate as module
+    import sys
+
     from mlx_vlm.generate.common import maybe_quantize_kv_cache
     from mlx_vlm.models.cache import RotatingKVCache
 
@@ -50,6 +51,7 @@ def _windows_kept(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
+    module = sys.modules["mlx_vlm.generate"]  # the package (``mlx_vlm.generate`` is its function of that name)
     module.maybe_quantize_kv_cache = plain_only  # type: ignore[attr-defined]  # generate_step looks it up here
     try:
         yield
