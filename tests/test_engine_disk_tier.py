@@ -36,6 +36,8 @@ async def _ask(directory: Path | None, arch: str, chats: list[tuple[list[dict[st
     async with running_engine(build_model(arch, "micro"), mm_prefix_cache=True, **dirs, **config) as engine:
         out = []
         for i, (messages, images) in enumerate(chats):
+            if engine.core is not None and engine.core.tier is not None:  # what was evicted is on disk by now
+                assert engine.core.tier.store.flush(30)
             result = await gather(engine.generate_chat(f"c{i}", messages, images, None, GREEDY))
             assert result.error is None, result.error
             out.append((result.token_ids, result.num_cached_tokens, result.num_prompt_tokens))
@@ -132,3 +134,16 @@ def test_the_flags_through_the_server_sigterm_and_the_openai_client(tmp_path: Pa
     hits = next(float(line.split()[-1]) for line in metrics.splitlines()
                 if line.startswith("vlmserve_prefix_cache_disk_hits_total"))
     assert hits == 1
+
+
+def test_what_memory_evicts_is_read_back_from_disk_while_serving(tmp_path: Path) -> None:
+    """A text store of one entry: the second chat evicts the first to disk (in the background), and the
+    first asked again comes back from the file, as a cold prefill answers it."""
+    first = ([SYSTEM, {"role": "user", "content": "Name three shapes."}], [])
+    second = ([{"role": "system", "content": "Answer in French. " * 30}, {"role": "user", "content": "Hi."}], [])
+    seen: list[Any] = []
+    runs = asyncio.run(_ask(tmp_path, "qwen2_5_vl", [first, second, first], seen, prefix_cache_entries=1))
+    (cold, _, _), = asyncio.run(_ask(None, "qwen2_5_vl", [first]))
+    (tokens, cached, prompt) = runs[2]
+    assert tokens == cold and cached >= 0.9 * prompt
+    assert seen[0].hits == 1 and seen[0].written_bytes > 0

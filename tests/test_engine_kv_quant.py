@@ -121,3 +121,56 @@ def test_a_fixed_budget_runs_more_long_requests_at_once_when_packed() -> None:
     assert full == 2, full
     assert per_full / per_eight >= 1.8 and per_full / per_four >= 3
     assert eight >= 1.8 * full and four >= 3 * full, (full, eight, four)
+
+
+def test_from_a_start_a_prompt_stays_exact_until_its_cache_holds_that_many_positions() -> None:
+    """``quantized_kv_start``: a short prompt decodes in full precision until its cache reaches the start,
+    a long one is packed after its prefill; both as mlx-vlm's ``generate_step`` with that start."""
+    model = build_model("qwen2_5_vl", "micro")
+    start = 48
+
+    async def scenario() -> None:
+        async with running_engine(model, kv_bits=4, kv_group_size=GROUP, quantized_kv_start=start, prefix_cache=False,
+                                  prefill_chunk=4096) as engine:
+            footprint = engine.kv.footprint
+            assert footprint.packed is not None and footprint.packed[1] == start
+            assert footprint.row_bytes(start * 4) < footprint.per_position * start * 4  # packed past the start
+            params = SamplingParams(max_tokens=40, ignore_eos=True)
+            quant = {"kv_bits": 4, "kv_group_size": GROUP, "quantized_kv_start": start}
+            for words in ("Hi.", "Tell me everything about the colours and shapes you know, one by one. " * 3):
+                prompt = engine.prompter.build([{"role": "user", "content": words}], [])
+                ours = (await gather(engine.generate(words[:8], prompt, params))).token_ids
+                ref = engine.worker.call(reference_greedy, engine.loaded.model, prompt, 40, **quant)
+                full = engine.worker.call(reference_greedy, engine.loaded.model, prompt, 40)
+                assert ours == ref, (len(prompt), words[:8])
+                assert len(prompt) < start < len(prompt) + 40 or len(prompt) > start
+                assert ref != full  # packing happened, mid-decode for the short one
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("arch, method", [("qwen2_5_vl", "ngram"), ("qwen3_5", "mtp")])
+def test_drafts_verified_on_packed_kv_never_change_the_answer(arch: str, method: str, tmp_path: Any) -> None:
+    """ngram drafts and Qwen3.5's MTP drafter verify against packed KV, which each row keeps up to what it
+    accepted: the greedy tokens are the packed engine's without drafts."""
+    from vlmserve.engine.speculative import SpeculativeConfig
+
+    model = build_model(arch, "micro")
+    spec = SpeculativeConfig(prompt_lookup_min=1, adaptive=False)
+    if method == "mtp":
+        from vlmserve.testing.qwen3_5 import build_mtp
+        spec = SpeculativeConfig(method="mtp", model=str(build_mtp(model, tmp_path / "mtp")), adaptive=False)
+    words = "red circle blue square red circle blue square red circle"
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    async def run(speculative: SpeculativeConfig | None) -> tuple[list[list[int]], int]:
+        async with running_engine(model, kv_bits=4, kv_group_size=GROUP, speculative=speculative,
+                                  prefix_cache=False) as engine:
+            assert engine.loaded.adapter.kv_quant is not None
+            prompts = [engine.prompter.build([{"role": "user", "content": f"{words} {i}"}], []) for i in range(3)]
+            results = await asyncio.gather(*(gather(engine.generate(f"r{i}", p, params)) for i, p in enumerate(prompts)))
+            drafted = (await engine.stats()).spec_draft_tokens
+            return [r.token_ids for r in results], drafted
+
+    (plain, _), (drafted, draft_tokens) = asyncio.run(run(None)), asyncio.run(run(spec))
+    assert drafted == plain and draft_tokens > 0

@@ -25,10 +25,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
-from mlx_vlm.models.cache import QuantizedKVCache
 
 from vlmserve import __version__
 from vlmserve.engine.disk_store import DiskStore, DiskStoreStats
+from vlmserve.engine.kv_quant import PackedKVCache
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,8 @@ def from_host(meta: dict[str, Any], arrays: list[np.ndarray], fresh: list[Any]) 
         raise ValueError(f"{len(layers)} layers, the model has {len(fresh)}")
     for i, saved in enumerate(layers):
         layer = fresh[i]
-        if saved["class"] == QuantizedKVCache.__name__ and type(layer).__name__ == "KVCache":
-            layer = fresh[i] = QuantizedKVCache()  # packed in the file: its group size and bits come with it
+        if saved["class"] == PackedKVCache.__name__ and type(layer).__name__ == "KVCache":
+            layer = fresh[i] = PackedKVCache()  # packed in the file: its group size and bits come with it
         if saved["class"] != type(layer).__name__:
             raise ValueError(f"layer {i} is a {saved['class']}, the model's a {type(layer).__name__}")
         layer.state = _unflatten(saved["state"], arrays)

@@ -8,6 +8,13 @@ So a prompt shorter than ``start`` is served in full precision, and a prompt's f
 computed exactly, as a single mlx-vlm request computes it. The oracle in the tests is mlx-vlm's own
 ``generate_step(kv_bits=...)``.
 
+One departure, where mlx-lm loses accuracy for nothing: a later forward of several positions (a long
+prompt's next chunk, a prompt after a reused prefix) attends to its own positions exact and to the
+stored ones dequantized, where mlx-lm's cache packs the chunk before attending to it
+(``PackedKVCache``). On SmolLM2-135M's logprobs over 600 tokens in chunks of 64 that is the
+difference between (benchmarks/kv_quant_accuracy.py). Decode, one position a step, reads the packed
+cache through mlx-vlm's quantized attention, as mlx-lm does.
+
 Only plain KV layers are quantized. Sliding-window layers (a ring buffer, rotated in place) and
 recurrent or convolution state stay in full precision: mlx-vlm quantizes neither. A decode batch's
 rows share one cache per layer, so the batch is quantized as a whole: when a quantized row joins,
@@ -29,6 +36,42 @@ _BATCH = (lm_cache.BatchKVCache, vlm_cache.BatchKVCache)
 _QUANTIZED = (vlm_cache.QuantizedKVCache, vlm_cache.BatchQuantizedKVCache)
 
 
+class PackedKVCache(vlm_cache.QuantizedKVCache):
+    """mlx-vlm's quantized cache, whose forward of several positions gets floats: the stored positions
+    dequantized and its own exact (they are stored packed all the same). mlx-vlm's attention picks the
+    quantized kernel where a cache has ``bits``, so ``bits`` is hidden while a fetch is floats; the
+    next fetch or ``KVQuant.settle`` (after every forward) shows it again."""
+
+    def __init__(self, group_size: int = 64, bits: int = 8) -> None:
+        self.floats = False
+        super().__init__(group_size=group_size, bits=bits)
+
+    @property
+    def bits(self) -> int:
+        if self.floats:
+            raise AttributeError("bits")  # hasattr(cache, "bits") is False: mlx-vlm attends to floats
+        return self._bits
+
+    @bits.setter
+    def bits(self, value: int) -> None:
+        self._bits = value
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        self.floats = False
+        prev, width = self.offset, keys.shape[2]
+        fetched = super().update_and_fetch(keys, values)  # type: ignore[no-untyped-call]
+        if width == 1 or prev == 0:
+            return fetched
+        stored = [self._dequantize(parts, prev) for parts in (cast(Any, self.keys), cast(Any, self.values))]
+        self.floats = True
+        return (mx.concatenate([stored[0].astype(keys.dtype), keys], axis=2),
+                mx.concatenate([stored[1].astype(values.dtype), values], axis=2))
+
+    def _dequantize(self, parts: tuple[mx.array, mx.array, mx.array], length: int) -> mx.array:
+        packed, scales, biases = (p[..., :length, :] for p in parts)
+        return mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self._bits)
+
+
 @dataclass(slots=True, frozen=True)
 class KVQuant:
     """What ``--kv-bits``, ``--kv-group-size`` and ``--quantized-kv-start`` ask for."""
@@ -41,6 +84,8 @@ class KVQuant:
         """Quantize, in place, each plain layer that holds ``start`` positions or more (an empty layer
         waits for its first forward); returns ``cache``."""
         for i, layer in enumerate(cache):
+            if isinstance(layer, PackedKVCache):
+                layer.floats = False
             size = _positions(layer)
             if size and size >= self.start:
                 cache[i] = self.quantized(layer)
@@ -52,7 +97,7 @@ class KVQuant:
             layer.caches = tuple(self.quantized(c) for c in layer.caches)
             return layer
         if type(layer) in _SINGLE:
-            out: Any = vlm_cache.QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+            out: Any = PackedKVCache(group_size=self.group_size, bits=self.bits)
             if layer.keys is not None:
                 out.keys, out.values = self._pack(layer.keys, layer.offset), self._pack(layer.values, layer.offset)
             out.offset = layer.offset
@@ -112,7 +157,7 @@ def compact_layer(layer: Any) -> Any:
         return layer
     layer = cast(Any, layer)  # mlx-vlm types a fresh cache's keys as None
     if layer.keys is not None and layer.keys[0].shape[2] > layer.offset:
-        cut: Any = vlm_cache.QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
+        cut: Any = type(layer)(group_size=layer.group_size, bits=layer.bits)
         cut.keys = tuple(p[..., :layer.offset, :] for p in layer.keys)
         cut.values = tuple(p[..., :layer.offset, :] for p in layer.values)
         cut.offset = layer.offset
