@@ -8,6 +8,9 @@ The image-keyed prefix cache (``mm_prefix``, opt-in) is a second store for promp
 keyed by ``params.prefix_key``: their tokens with each image's placeholders written as its content
 hash, so KV computed from one picture never serves another. It is on only for families where a
 restored prefix continues exactly (the adapter's ``mm_prefix_exact``).
+
+With ``--prefix-cache-dir`` both stores spill what they evict to one disk tier (engine/disk_tier.py),
+each under its own marker, and look there when memory holds less of a prompt than a file does.
 """
 
 from __future__ import annotations

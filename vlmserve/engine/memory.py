@@ -7,7 +7,8 @@ was admitted can always run to its end. The bytes per position are measured once
 warm-up, from a real prefilled cache of the model's own layer types: full attention grows with
 every position, sliding-window layers stop at their window, recurrent and convolution state
 (Qwen3.5, LFM2-VL) is a fixed cost per row; an MTP drafter's own KV (engine/mtp.py) grows with every
-position too. The prefix stores (text, and image-keyed) have their own
+position too. With quantized KV (engine/kv_quant.py) the measure is of the packed cache, and where
+packing starts past the prompt, of both: a row costs what it holds before, or after, whichever is more. The prefix stores (text, and image-keyed) have their own
 bounds and count against this budget too: the scheduler drops their least recently used prefixes
 when a batch that fits without them needs the room, and after a store, so that the stores and the
 running requests' reservations never hold more than the budget together.

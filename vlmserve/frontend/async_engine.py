@@ -175,6 +175,10 @@ class AsyncEngine:
                      "layers excepted", self.name, quant.bits, quant.group_size, quant.start)
         elif self.kv_quant_off is not None:
             log.warning("model %s (%s): --kv-bits is off: %s", self.name, self.loaded.model_type, self.kv_quant_off)
+        if self.core is not None and self.core.tier is not None:
+            disk = self.core.tier.stats()
+            log.info("model %s: prefix caches spill to %s (%d files, %.1f MB found; at most %.1f GB)", self.name,
+                     self.config.prefix_cache_dir, disk.entries, disk.bytes / 1e6, self.config.prefix_cache_disk_bytes / 2**30)
         if self.config.mm_prefix_cache and not self.loaded.adapter.mm_prefix_exact:
             log.info("model %s (%s): --mm-prefix-cache is off for this family: reusing an image prompt's cached "
                      "prefix is not proven exact here", self.name,
