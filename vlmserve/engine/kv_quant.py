@@ -11,8 +11,9 @@ computed exactly, as a single mlx-vlm request computes it. The oracle in the tes
 One departure, where mlx-lm loses accuracy for nothing: a later forward of several positions (a long
 prompt's next chunk, a prompt after a reused prefix) attends to its own positions exact and to the
 stored ones dequantized, where mlx-lm's cache packs the chunk before attending to it
-(``PackedKVCache``). On SmolLM2-135M's logprobs over 600 tokens in chunks of 64 that is the
-difference between (benchmarks/kv_quant_accuracy.py). Decode, one position a step, reads the packed
+(``PackedKVCache``). On SmolLM2-135M's logprobs over 600 tokens in chunks of 64, the mean error
+against full precision falls from mlx-lm's 0.018 nats to 0.006 at 8 bits and from 0.34 to 0.12 at 4
+(benchmarks/kv_quant_accuracy.py). Decode, one position a step, reads the packed
 cache through mlx-vlm's quantized attention, as mlx-lm does.
 
 Only plain KV layers are quantized. Sliding-window layers (a ring buffer, rotated in place) and
