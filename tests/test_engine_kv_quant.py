@@ -174,3 +174,23 @@ def test_drafts_verified_on_packed_kv_never_change_the_answer(arch: str, method:
 
     (plain, _), (drafted, draft_tokens) = asyncio.run(run(None)), asyncio.run(run(spec))
     assert drafted == plain and draft_tokens > 0
+
+
+def test_gemma4s_assistant_drafter_keeps_full_precision_kv_and_says_why(tmp_path: Any,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Gemma 4's assistant reads the target's KV as floats: with it, --kv-bits is off, said at start-up."""
+    from vlmserve.engine.speculative import SpeculativeConfig
+    from vlmserve.testing.gemma4 import build_assistant
+
+    model = build_model("gemma4", "micro")
+    spec = SpeculativeConfig(method="mtp", model=str(build_assistant(model, tmp_path / "assistant")), adaptive=False)
+
+    async def scenario() -> None:
+        async with running_engine(model, kv_bits=8, kv_group_size=GROUP, speculative=spec) as engine:
+            assert engine.loaded.adapter.kv_quant is None and "assistant" in (engine.kv_quant_off or "")
+            result = await gather(engine.generate_chat("x", [{"role": "user", "content": "Hi."}], [], None, GREEDY))
+            assert result.error is None and len(result.token_ids) == GREEDY.max_tokens
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(scenario())
+    assert "--kv-bits is off: the drafter reads the target's KV as floats" in caplog.text
