@@ -73,8 +73,9 @@ def scheduler_config(adapter: ModelAdapter, config: EngineConfig) -> SchedulerCo
 
 
 def disk_tier(loaded: LoadedModel, config: EngineConfig, prefill_s: Callable[[], float]) -> DiskTier | None:
-    """The prefix stores' disk tier where ``--prefix-cache-dir`` asks for one (it locks the directory)."""
-    if config.prefix_cache_dir is None:
+    """The prefix stores' disk tier where ``--prefix-cache-dir`` asks for one (it locks the directory) and a
+    prefix store is on (not across pipeline ranks, which keep none)."""
+    if config.prefix_cache_dir is None or not (config.prefix_cache or config.mm_prefix_cache):
         return None
     quant = loaded.adapter.kv_quant
     kv = f"{quant.bits}-{quant.group_size}-{quant.start}" if quant is not None else "full"
