@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from conftest import gather, running_engine, scene
 
+from vlmserve.engine.disk_tier import model_folder
 from vlmserve.engine.params import SamplingParams
 from vlmserve.testing import build_model
 
@@ -51,7 +52,7 @@ def test_a_restart_reads_the_chat_back_from_disk_and_answers_as_a_cold_prefill(a
     chat = (_chat("What is this?"), [RED])
     cold = asyncio.run(_ask(None, arch, [chat]))
     first = asyncio.run(_ask(tmp_path, arch, [chat]))  # stores it; the shutdown writes it to disk
-    assert list(tmp_path.glob("*.kv")), "nothing was written at shutdown"
+    assert list(tmp_path.rglob("*.kv")), "nothing was written at shutdown"
     again = asyncio.run(_ask(tmp_path, arch, [chat]))  # a new engine: only the disk holds it
     tokens, cached, prompt = again[0]
     assert first[0][0] == cold[0][0] and tokens == cold[0][0]
@@ -69,7 +70,7 @@ def test_another_picture_with_the_same_words_reuses_only_the_text_before_it(tmp_
 def test_damaged_or_foreign_files_are_ignored_and_deleted(damage: str, tmp_path: Path) -> None:
     chat = (_chat("What is this?"), [RED])
     asyncio.run(_ask(tmp_path, "qwen2_5_vl", [chat]))
-    files = list(tmp_path.glob("*.kv"))
+    files = list(tmp_path.rglob("*.kv"))
     assert files
     for file in files:
         data = bytearray(file.read_bytes())
@@ -78,7 +79,11 @@ def test_damaged_or_foreign_files_are_ignored_and_deleted(damage: str, tmp_path:
             file.write_bytes(bytes(data))
         elif damage == "truncate":
             file.write_bytes(bytes(data[: len(data) // 2]))
-    arch = "qwen2_vl" if damage == "other model" else "qwen2_5_vl"  # the same chat on another model: foreign
+    arch = "qwen2_vl" if damage == "other model" else "qwen2_5_vl"
+    if damage == "other model":  # the same chat's files where another model looks: foreign there
+        other = model_folder(str(tmp_path), str(build_model(arch, "micro")))
+        other.mkdir()
+        files = [file.rename(other / file.name) for file in files]
     seen: list[Any] = []
     (tokens, cached, _), = asyncio.run(_ask(tmp_path, arch, [chat], seen))
     (cold, _, _), = asyncio.run(_ask(None, arch, [chat]))
@@ -147,3 +152,14 @@ def test_what_memory_evicts_is_read_back_from_disk_while_serving(tmp_path: Path)
     (tokens, cached, prompt) = runs[2]
     assert tokens == cold and cached >= 0.9 * prompt
     assert seen[0].hits == 1 and seen[0].written_bytes > 0
+
+
+def test_two_models_of_one_server_share_the_directory_a_folder_each(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with running_engine(build_model("qwen2_5_vl", "micro"), prefix_cache_dir=str(tmp_path)) as one, \
+                running_engine(build_model("qwen2_vl", "micro"), prefix_cache_dir=str(tmp_path)) as two:
+            assert one.core is not None and two.core is not None and one.core.tier and two.core.tier
+            assert one.core.tier.store.directory != two.core.tier.store.directory
+
+    asyncio.run(scenario())
+    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2

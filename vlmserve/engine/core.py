@@ -14,7 +14,7 @@ from typing import Protocol
 from vlmserve.engine.caches import EngineCaches
 from vlmserve.engine.costs import FLOOR_TOKENS, StepCosts, measure_costs
 from vlmserve.engine.disk_store import DiskStore
-from vlmserve.engine.disk_tier import IMAGES, TEXT, DiskTier, identity
+from vlmserve.engine.disk_tier import IMAGES, TEXT, DiskTier, identity, model_folder
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import LoadedModel, default_kv_budget
 from vlmserve.engine.memory import KVBudget, measure_footprint
@@ -79,7 +79,7 @@ def disk_tier(loaded: LoadedModel, config: EngineConfig, prefill_s: Callable[[],
         return None
     quant = loaded.adapter.kv_quant
     kv = f"{quant.bits}-{quant.group_size}-{quant.start}" if quant is not None else "full"
-    store = DiskStore(config.prefix_cache_dir, config.prefix_cache_disk_bytes,
+    store = DiskStore(model_folder(config.prefix_cache_dir, loaded.name), config.prefix_cache_disk_bytes,
                       identity(loaded.path, loaded.model_type, loaded.model, kv))
     return DiskTier(store, loaded.adapter.make_cache, prefill_s)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -94,6 +95,12 @@ class DiskTier:
 
     def close(self) -> None:
         self.store.close()
+
+
+def model_folder(root: str, name: str) -> Path:
+    """Where one model's files go under ``--prefix-cache-dir``: a folder per model, so the models of one
+    server each lock their own (a second server on the same model and directory is refused)."""
+    return Path(root) / (re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model")
 
 
 def identity(path: Path, model_type: str, model: Any, kv: str) -> dict[str, str]:
