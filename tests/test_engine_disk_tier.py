@@ -163,3 +163,32 @@ def test_two_models_of_one_server_share_the_directory_a_folder_each(tmp_path: Pa
 
     asyncio.run(scenario())
     assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2
+
+
+def test_a_waiting_prompts_file_is_read_ahead_off_the_worker(tmp_path: Path) -> None:
+    """A prompt that waits for a batch slot has its file read on the tier's reader thread meanwhile; at its
+    admission the worker only turns the arrays into a cache."""
+    import threading
+
+    chat = ([SYSTEM, {"role": "user", "content": "Name three shapes."}], [])
+    asyncio.run(_ask(tmp_path, "qwen2_5_vl", [chat]))  # on disk after the shutdown
+    readers: list[str] = []
+
+    async def scenario() -> tuple[list[int], int]:
+        async with running_engine(build_model("qwen2_5_vl", "micro"), prefix_cache_dir=str(tmp_path),
+                                  max_batch_size=1) as engine:
+            assert engine.core is not None and engine.core.tier is not None
+            store = engine.core.tier.store
+            read = store.read
+            store.read = lambda entry: (readers.append(threading.current_thread().name), read(entry))[1]  # type: ignore[method-assign]
+            busy = asyncio.create_task(gather(engine.generate_chat(
+                "busy", [{"role": "user", "content": "Count."}], [], None, SamplingParams(max_tokens=40, ignore_eos=True))))
+            await asyncio.sleep(0.05)  # the slot is taken: the chat waits
+            result = await gather(engine.generate_chat("chat", *chat, None, GREEDY))
+            await busy
+            return result.token_ids, result.num_cached_tokens
+
+    tokens, cached = asyncio.run(scenario())
+    (cold, _, prompt), = asyncio.run(_ask(None, "qwen2_5_vl", [chat]))
+    assert tokens == cold and cached >= 0.9 * prompt
+    assert readers and set(readers) == {"prefix-disk-read_0"}, readers  # never on the worker

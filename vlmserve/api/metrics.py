@@ -54,7 +54,7 @@ _COUNTERS = {
                                "the image-keyed prefix cache"),
     "prefix_budget_evictions": ("vlmserve_prefix_cache_budget_evictions", None, "Cached prefixes (text and "
                                 "image-keyed) dropped to give the KV budget to running requests"),
-    "disk_hits": ("vlmserve_prefix_cache_disk_hits", None, "Prompts whose prefix was read back from disk"),
+    "disk_hits": ("vlmserve_prefix_cache_disk_hits", None, "Prompts whose cached prefix came from disk"),
     "disk_misses": ("vlmserve_prefix_cache_disk_misses", None, "Disk lookups that found no file to read"),
     "disk_rejected": ("vlmserve_prefix_cache_disk_rejected", None, "Files ignored and deleted: corrupt, truncated, "
                       "or another model's, KV's or version's"),
@@ -104,7 +104,8 @@ def _engine_values(engine: Any) -> tuple[dict[str, float], dict[str, float]] | N
                 "prefix_budget_evictions": sum(store.budget_evictions for store in stores),
                 "all_query_tokens": sum(store.query_tokens for store in stores),
                 "all_hit_tokens": sum(store.hit_tokens for store in stores),
-                **{f"disk_{k}": getattr(disk, k) if disk else 0 for k in ("hits", "misses", "rejected", "read_bytes",
+                "disk_hits": sum(store.disk_hits for store in stores),
+                **{f"disk_{k}": getattr(disk, k) if disk else 0 for k in ("misses", "rejected", "read_bytes",
                                                                             "read_seconds", "written_bytes",
                                                                             "write_seconds")},
                 "spec_drafts": m.spec_drafts, "spec_draft_tokens": m.spec_draft_tokens,

@@ -56,6 +56,12 @@ class EngineCaches:
         store, key = self._keyed(prompt)
         return store.lookup(key) if store is not None and key is not None else (None, 0)
 
+    def prefetch(self, prompt: PromptInputs) -> None:
+        """A prompt arrived: where its store has a disk tier, start reading the file it would reuse."""
+        store, key = self._keyed(prompt)
+        if store is not None and key is not None and store.tier is not None:
+            store.tier.prefetch(store.marker, key)
+
     def store_prefix(self, prompt: PromptInputs, cache: list[Any], length: int | None = None) -> None:
         """Keep ``cache``, the prompt's first ``length`` positions (None: all of them)."""
         store, key = self._keyed(prompt)

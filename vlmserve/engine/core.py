@@ -230,6 +230,8 @@ class EngineCore:
             self._requests[fork_id] = fork
         self._requests[req.request_id] = req
         self.scheduler.add(req)
+        if self.tier is not None and self.scheduler.config.reuses_prefix and req.params.prompt_logprobs is None:
+            self.caches.prefetch(req.prompt)
 
     def _abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 
 TEXT, IMAGES = -1, -2  # each store's marker, the first "token" of its keys on disk
 _BANDWIDTH = 200e6  # bytes a second assumed for reads until one is timed (a slow laptop disk)
+_AHEAD = 4  # files read ahead and held until their prompts are admitted, at most
+_Read = tuple[list[int], dict[str, Any], list[np.ndarray]]
 
 
 class DiskTier:
@@ -47,30 +51,51 @@ class DiskTier:
         self.prefill_s = prefill_s  # a prompt token's measured prefill seconds (0: not measured yet)
         self.skipped = 0  # files found but not read: prefilling their tokens was cheaper
         self.trims = bool(can_trim_prompt_cache(make_cache()))  # may a longer file be cut back to a prompt?
+        # Files being read ahead for prompts that arrived (``prefetch``), by entry, oldest first
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-disk-read")
+        self._ahead: OrderedDict[str, Future[_Read | None]] = OrderedDict()
 
     def spill(self, store: int, tokens: Sequence[int], cache: list[Any]) -> None:
         """Queue a stored prefix's cache for a file (the store's ``store`` marker, its key ``tokens``)."""
         meta, arrays = to_host(cache)
         self.store.put([store, *tokens], meta, arrays)
 
+    def prefetch(self, store: int, tokens: list[int]) -> None:
+        """A prompt arrived: read the file ``lookup`` would read for it on a thread of its own, so that by
+        its admission the worker only turns the arrays into a cache (the worker never reads the disk
+        itself but for a prompt admitted as it arrives, which waits for its read)."""
+        plan = self._plan(store, tokens, 0, count=False)
+        if plan is not None and plan[0] not in self._ahead:
+            self._ahead[plan[0]] = self._reader.submit(self.store.read, plan[0])
+            while len(self._ahead) > _AHEAD:  # a prompt that was aborted, or served from memory after all
+                self._ahead.popitem(last=False)
+
     def lookup(self, store: int, tokens: list[int], beyond: int) -> tuple[list[Any], int] | None:
         """A cache for more of ``tokens`` than ``beyond`` (what memory had), with one token left to compute,
         read back from a file where that is faster than prefilling the difference; else None."""
-        found = self.store.find([store, *tokens], longer_ok=self.trims)
-        got = self._read(found, tokens, beyond) if found is not None else None
+        plan = self._plan(store, tokens, beyond, count=True)
+        got = self._restore(*plan) if plan is not None else None
         if got is None:
             self.store.miss()
         return got
 
-    def _read(self, found: tuple[int, str], tokens: list[int], beyond: int) -> tuple[list[Any], int] | None:
+    def _plan(self, store: int, tokens: list[int], beyond: int, count: bool) -> tuple[str, int] | None:
+        """The file worth reading for ``tokens`` past ``beyond``, and how many positions it gives."""
+        found = self.store.find([store, *tokens], longer_ok=self.trims)
+        if found is None:
+            return None
         length, entry = found
         usable = min(length - 1, len(tokens) - 1)  # the marker is not a position; one token stays to compute
         if usable <= beyond or (usable < length - 1 and not self.trims):
             return None
         if not self._worth_reading(self.store.entry_bytes(entry), usable - beyond):
-            self.skipped += 1
+            self.skipped += count
             return None
-        read = self.store.read(entry)
+        return entry, usable
+
+    def _restore(self, entry: str, usable: int) -> tuple[list[Any], int] | None:
+        ahead = self._ahead.pop(entry, None)
+        read = ahead.result() if ahead is not None else self.store.read(entry)
         if read is None:
             return None
         file_tokens, meta, arrays = read
@@ -94,6 +119,7 @@ class DiskTier:
         return self.store.stats()
 
     def close(self) -> None:
+        self._reader.shutdown(wait=True, cancel_futures=True)
         self.store.close()
 
 
