@@ -55,7 +55,8 @@ _COUNTERS = {
     "prefix_budget_evictions": ("vlmserve_prefix_cache_budget_evictions", None, "Cached prefixes (text and "
                                 "image-keyed) dropped to give the KV budget to running requests"),
     "disk_hits": ("vlmserve_prefix_cache_disk_hits", None, "Prompts whose cached prefix came from disk"),
-    "disk_misses": ("vlmserve_prefix_cache_disk_misses", None, "Disk lookups that found no file to read"),
+    "disk_misses": ("vlmserve_prefix_cache_disk_misses", None, "Prompts the prefix caches held less of than all "
+                    "of it whose disk tier held nothing more either (or a file that failed its check)"),
     "disk_rejected": ("vlmserve_prefix_cache_disk_rejected", None, "Files ignored and deleted: corrupt, truncated, "
                       "or another model's, KV's or version's"),
     "disk_read_bytes": ("vlmserve_prefix_cache_disk_read_bytes", None, "Bytes of prefix KV read from disk"),

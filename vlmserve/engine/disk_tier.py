@@ -73,9 +73,10 @@ class DiskTier:
     def lookup(self, store: int, tokens: list[int], beyond: int) -> tuple[list[Any], int] | None:
         """A cache for more of ``tokens`` than ``beyond`` (what memory had), with one token left to compute,
         read back from a file where that is faster than prefilling the difference; else None."""
+        skipped = self.skipped
         plan = self._plan(store, tokens, beyond, count=True)
         got = self._restore(*plan) if plan is not None else None
-        if got is None:
+        if got is None and self.skipped == skipped:  # a file not worth reading is no miss
             self.store.miss()
         return got
 

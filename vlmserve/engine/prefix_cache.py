@@ -67,7 +67,7 @@ class PrefixCache:
                 cached -= 1
             else:
                 cache, cached = None, 0
-        if self.tier is not None:
+        if self.tier is not None and cached < len(tokens) - 1:  # memory fell short of the whole prompt
             found = self.tier.lookup(self.marker, tokens, max(cached, 0))
             if found is not None:  # more of the prompt than memory had
                 cache, cached = found
