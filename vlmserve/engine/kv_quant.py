@@ -81,16 +81,15 @@ class KVQuant:
     group_size: int = 64
     start: int = 0
 
-    def settle(self, cache: list[Any]) -> list[Any]:
+    def settle(self, cache: list[Any]) -> None:
         """Quantize, in place, each plain layer that holds ``start`` positions or more (an empty layer
-        waits for its first forward); returns ``cache``."""
+        waits for its first forward)."""
         for i, layer in enumerate(cache):
             if isinstance(layer, PackedKVCache):
                 layer.floats = False
             size = _positions(layer)
             if size and size >= self.start:
                 cache[i] = self.quantized(layer)
-        return cache
 
     def quantized(self, layer: Any) -> Any:
         """``layer`` with its KV packed (a plain cache, one request's or a batch's); any other as it is."""
@@ -159,8 +158,7 @@ def compact_layer(layer: Any) -> Any:
     layer = cast(Any, layer)  # mlx-vlm types a fresh cache's keys as None
     if layer.keys is not None and layer.keys[0].shape[2] > layer.offset:
         cut: Any = type(layer)(group_size=layer.group_size, bits=layer.bits)
-        cut.keys = tuple(p[..., :layer.offset, :] for p in layer.keys)
-        cut.values = tuple(p[..., :layer.offset, :] for p in layer.values)
+        cut.keys, cut.values = _rows(layer.keys, layer.offset, 1), _rows(layer.values, layer.offset, 1)
         cut.offset = layer.offset
         mx.eval(cut.keys, cut.values)
         return cut
