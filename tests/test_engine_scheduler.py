@@ -121,7 +121,7 @@ def test_decode_and_prefill_share_a_step():
 def test_two_long_prompts_share_the_budget_exactly():
     """Two 300-token prompts against a 512 budget: 300 + 212, then the last 88."""
     a, b = _req("a", prompt_len=300), _req("b", prompt_len=300)
-    s = _scheduler(a, b, budget=512)
+    s = _scheduler(a, b, budget=512, holds_rows=False)  # the budget alone (the join gate: below)
     plan, updates = _step(s)
     assert plan.num_scheduled_tokens == {"a": 300, "b": 212} and plan.num_prefill_tokens == 512
     assert (a.num_computed_tokens, b.num_computed_tokens) == (300, 212)
@@ -139,7 +139,7 @@ def test_budget_limits_requests_per_step():
 def test_an_unsplittable_prompt_over_budget_goes_by_layers():
     """700 positions through 6 layers, 512 tokens a step: 4 layers (467 tokens' worth), then the last 2."""
     big, small = _req("big", prompt_len=700, chunkable=False), _req("small", prompt_len=10)
-    s = _scheduler(big, small, budget=512, num_layers=6)
+    s = _scheduler(big, small, budget=512, num_layers=6, holds_rows=False)
     plan, updates = _step(s)
     assert _chunks(plan) == {"big": (0, 700, 0, 4), "small": (0, 10, 0, None)}  # small fits in the 45 left
     assert (big.num_computed_layers, big.num_computed_tokens, big.prefill_done) == (4, 0, False)
@@ -225,7 +225,7 @@ def test_a_burst_goes_at_the_full_budget_while_its_first_prompts_decode():
     """Prompts ready before a stream's first token are its cohort and do not bound its steps; a prompt
     that arrived after it does, and the cohort's work counts against it."""
     reqs = [_req(f"r{i}", prompt_len=40) for i in range(4)]
-    s = _scheduler(*reqs, budget=100, stream_prefill_chunk=16)
+    s = _scheduler(*reqs, budget=100, stream_prefill_chunk=16, holds_rows=False)
     plan, _ = _step(s)
     assert plan.num_scheduled_tokens == {"r0": 40, "r1": 40, "r2": 20}
     late = _req("late", prompt_len=40)  # after r0's and r1's first tokens
@@ -309,7 +309,7 @@ def test_the_first_image_prompt_goes_whatever_its_cost():
 def test_a_text_prefix_is_looked_up_at_admission_and_stored_at_the_end_of_its_prompt():
     caches = FakeCaches({tuple(range(6)): "kv"})
     text, image = _req("text", prompt_len=10), _req("image", prompt_len=10, images=("k",))
-    s = _scheduler(text, image, budget=2, caches=caches)
+    s = _scheduler(text, image, budget=2, caches=caches, holds_rows=False)
     plan = s.schedule()
     assert [(n.request_id, n.prefix, n.num_cached) for n in plan.new] == [("text", "kv", 6), ("image", None, 0)]
     assert text.num_cached_tokens == text.num_computed_tokens == 6
@@ -476,3 +476,91 @@ def test_a_cache_that_cannot_be_cut_back_is_stored_at_the_prompts_stem():
     plan, _ = _step(s)
     assert [(c.request_id, c.start, c.end, c.store_prefix) for c in plan.prefill] == [("c", 12, 14, False),
                                                                                      ("d", 12, 14, False)]
+
+
+# -- the join gate and the aging budget (issue 46) --------------------------------------------------
+
+
+def test_a_prompt_that_ends_before_the_others_of_its_burst_is_held_out_of_the_decode_batch():
+    """Its first token goes out at once; its row joins the batch once the prompts that arrived before
+    that token are in theirs, so their steps do not also decode it; the stream already running decodes
+    every step meanwhile."""
+    stream = _req("stream", max_tokens=50)
+    s = _scheduler(stream, budget=40)
+    _step(s)
+    a, b = _req("a", prompt_len=30), _req("b", prompt_len=60)
+    s.add(a)
+    s.add(b)
+    plan, updates = _step(s)
+    assert [c.hold for c in plan.prefill] == [True, False] and plan.decode == ["stream"]
+    assert {u.request.request_id: u.token_id for u in updates} == {"stream": 7, "a": 7}  # a's first token
+    assert a.held and a.first_token_time is not None
+    plan, _ = _step(s)  # b is still in its prompt: a waits, the stream decodes
+    assert plan.decode == ["stream"] and plan.join == [] and a.held
+    plan, _ = _step(s)
+    assert plan.prefill[-1].request_id == "b" and plan.prefill[-1].end == 60 and not plan.prefill[-1].hold
+    plan, _ = _step(s)  # b's prompt ended: a joins the batch, before this step's decode
+    assert plan.join == ["a"] and plan.decode == ["stream", "a", "b"] and not a.held
+
+
+def test_a_held_row_joins_after_its_limit_behind_a_long_prompt():
+    """A long prompt behind it holds it at most HOLD_LIMIT times its own time to first token."""
+    import time
+
+    from vlmserve.engine.scheduler import HOLD_LIMIT
+
+    short, long = _req("short", prompt_len=10), _req("long", prompt_len=10_000)
+    s = _scheduler(short, long, budget=100)
+    _step(s)
+    assert short.held and long.num_computed_tokens == 90
+    assert s.schedule().join == []
+    ttft = short.first_token_time - short.arrival_time  # type: ignore[operator]
+    short.first_token_time = time.monotonic() - HOLD_LIMIT * ttft - 0.01  # as if it had waited its limit
+    short.arrival_time = short.first_token_time - ttft
+    plan = s.schedule()
+    assert plan.join == ["short"] and plan.decode == ["short"]
+
+
+def test_rows_that_share_a_forward_are_not_held_and_the_gate_is_off_where_the_config_says():
+    reqs = [_req(f"r{i}", prompt_len=20) for i in range(3)]
+    s = _scheduler(*reqs, budget=50)
+    plan, _ = _step(s)  # r0 and r1 whole (one forward), r2 in part
+    assert plan.prefill_groups == [["r0", "r1"]] and not any(c.hold for c in plan.prefill)
+    assert not reqs[0].held and _step(s)[0].decode == ["r0", "r1"]
+    a, b = _req("a", prompt_len=30), _req("b", prompt_len=60)
+    off = _scheduler(a, b, budget=40, holds_rows=False)
+    _step(off)
+    assert not a.held and _step(off)[0].decode == ["a"]
+
+
+def test_an_aborted_held_row_is_freed_and_never_joins():
+    a, b = _req("a", prompt_len=30), _req("b", prompt_len=60)
+    s = _scheduler(a, b, budget=40)
+    _step(s)
+    assert a.held
+    s.finish(a, RequestStatus.FINISHED_ABORTED)
+    plan, _ = _step(s)
+    assert plan.finished == ["a"] and plan.join == [] and plan.decode == []
+
+
+def test_the_prompt_share_grows_with_the_oldest_prompts_wait_up_to_its_maximum():
+    from vlmserve.engine.costs import AGING_STEPS, StepCosts
+
+    costs = StepCosts(share=2.0, floor=16, ceiling=512, max_share=4.0, prompt_token_s=0.001, decode_step_s=0.02)
+    assert costs.stream_tokens() == 40  # 2 decode steps' time of 1 ms tokens
+    assert costs.stream_tokens(AGING_STEPS * 0.02 / 2) == 60  # half-way to doubling
+    assert costs.stream_tokens(AGING_STEPS * 0.02) == costs.stream_tokens(60.0) == 80  # capped at 4 decode steps
+    slow = StepCosts(share=2.0, floor=16, ceiling=512, max_share=4.0, prompt_token_s=0.02, decode_step_s=0.1)
+    assert slow.stream_tokens() == 16 and slow.stream_tokens(60.0) == 32  # the floor grows by the same factor
+
+
+def test_the_scheduler_reports_the_oldest_prompt_still_in_its_prompt():
+    import time
+
+    a, b = _req("a", prompt_len=10), _req("b", prompt_len=300)
+    s = _scheduler(a, b, budget=100)
+    now = time.monotonic()
+    a.arrival_time, b.arrival_time = now - 5.0, now - 2.0
+    assert s.longest_wait(now) == 0.0  # nothing admitted yet
+    _step(s)  # a's prompt ends, b's goes on
+    assert s.longest_wait(now) == 2.0

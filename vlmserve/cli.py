@@ -142,6 +142,12 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--stream-step-share", type=float, default=engine.stream_step_share,
                      help="while requests decode, the prompt and vision work of a step may take this many decode "
                           "steps' time: higher starts new requests sooner, lower keeps running streams smoother")
+    srv.add_argument("--no-join-gate", dest="join_gate", action="store_false",
+                     help="a prompt that ends while others are in their prompts joins the decode batch at once "
+                          "(by default its row waits, its first token sent, until they end)")
+    srv.add_argument("--stream-step-share-max", type=float, default=engine.stream_step_share_max,
+                     help="the share grows with how long the oldest prompt has waited, up to this many decode "
+                          "steps' time: no step with prompt work takes longer than about this plus one")
     srv.add_argument("--encoder-budget", type=int, default=engine.encoder_budget,
                      help="images through the vision tower per step while requests decode")
     srv.add_argument("--kv-cache-gb", type=float, default=None,
@@ -305,6 +311,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
     engine = EngineConfig(
         max_batch_size=args.max_batch_size, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
         stream_prefill_chunk=args.stream_prefill_chunk, stream_step_share=args.stream_step_share,
+        stream_step_share_max=max(args.stream_step_share_max, args.stream_step_share), join_gate=args.join_gate,
         encoder_budget=args.encoder_budget, max_model_len=args.max_model_len, prefix_cache=not args.no_prefix_cache,
         dtype=args.dtype, trust_remote_code=args.trust_remote_code, chat_template=template,
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,

@@ -69,7 +69,7 @@ def scheduler_config(adapter: ModelAdapter, config: EngineConfig) -> SchedulerCo
     return SchedulerConfig(config.max_batch_size, config.prefill_chunk, config.stream_prefill_chunk,
                            config.encoder_budget, layers, starts,
                            adapter.num_vision_blocks, adapter.reuses_prefix, not adapter.trims_cache,
-                           config.speculative if verifies else None, verifies)
+                           config.speculative if verifies else None, verifies, holds_rows=config.join_gate and not config.pipeline)
 
 
 def disk_tier(loaded: LoadedModel, config: EngineConfig, prefill_s: Callable[[], float]) -> DiskTier | None:
@@ -112,7 +112,8 @@ class EngineCore:
         self._new_caches()
         self.scheduler = Scheduler(scheduler_config(loaded.adapter, config), self.kv, self.caches)
         self.runner: Runner = runner if runner is not None else runner_for(loaded, self.caches)
-        self.costs = StepCosts(config.stream_step_share, FLOOR_TOKENS, config.prefill_chunk)
+        self.costs = StepCosts(config.stream_step_share, FLOOR_TOKENS, config.prefill_chunk,
+                               max(config.stream_step_share_max, config.stream_step_share))
         self.metrics = EngineMetrics()
         self._inbox: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
@@ -183,7 +184,7 @@ class EngineCore:
         start = time.perf_counter()
         self._drain_inbox()
         if self.config.stream_prefill_chunk is None:
-            self.scheduler.stream_tokens = self.costs.stream_tokens()
+            self.scheduler.stream_tokens = self.costs.stream_tokens(self.scheduler.longest_wait(time.monotonic()))
             self.scheduler.pixel_tokens = self.costs.pixel_tokens()
         if self.scheduler.drafts is not None:
             self.scheduler.drafts.measured(self.costs)

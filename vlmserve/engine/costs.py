@@ -20,6 +20,7 @@ from vlmserve.engine.params import PromptInputs, SamplingParams
 from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, SchedulerOutput
 
 FLOOR_TOKENS = 16  # prompt tokens per step while requests decode, at least: every prompt moves on
+AGING_STEPS = 8  # a prompt that has waited this many decode steps' time doubles the prompt share, and so on
 PROBE_TOKENS = 128  # the cost probe's prompt length: long enough that per-token cost dominates
 _AVERAGE = 0.2  # weight of the newest decode step in the running average
 
@@ -29,6 +30,7 @@ class StepCosts:
     share: float  # a step's prompt work may take this many decode steps' time
     floor: int  # prompt tokens per step, at least
     ceiling: int  # and at most (the idle budget)
+    max_share: float = 0.0  # the share grows with the oldest prompt's wait up to this (0: ``share``)
     prompt_token_s: float = 0.0
     decode_step_s: float = 0.0
     sync_step_s: float = 0.0  # a decode step read at once (not pipelined), as a verify step is: probed once
@@ -55,11 +57,15 @@ class StepCosts:
         """The tower's cost per pixel value, in prompt tokens' time: encodes come out of a step's budget."""
         return self.pixel_s / self.prompt_token_s if self.prompt_token_s > 0 else 0.0
 
-    def stream_tokens(self) -> int:
-        """Prompt tokens per step while requests decode."""
+    def stream_tokens(self, waited: float = 0.0) -> int:
+        """Prompt tokens per step while requests decode: ``share`` decode steps' time (the floor at least),
+        grown by one ``share`` for every ``AGING_STEPS`` decode steps the oldest prompt has waited
+        (``waited`` seconds), up to ``max_share``: a backlog is served in fewer, longer steps, each bounded."""
         if self.prompt_token_s <= 0 or self.decode_step_s <= 0:
             return self.floor
-        return int(min(self.ceiling, max(self.floor, self.share * self.decode_step_s / self.prompt_token_s)))
+        growth = min(max(self.max_share, self.share) / self.share, 1 + waited / (AGING_STEPS * self.decode_step_s))
+        tokens = max(self.floor, self.share * self.decode_step_s / self.prompt_token_s) * growth
+        return int(min(self.ceiling, tokens))
 
 
 def _average(mean: float, value: float) -> float:

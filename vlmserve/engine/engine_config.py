@@ -21,6 +21,11 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens per step (a prompt split by layers: its share of them)
     # While requests decode, a step's prompt work may take this many decode steps' time (engine/costs.py):
     stream_step_share: float = 2.0
+    # ...and more, the longer the oldest prompt has waited, up to this many (the backlog's deadline)
+    stream_step_share_max: float = 4.0
+    # A prompt that ends while others are in their prompts keeps its row out of the decode batch until they
+    # end (its first token goes out at once): engine/scheduler.py's join gate
+    join_gate: bool = True
     stream_prefill_chunk: int | None = None  # or a fixed prompt-token budget per step while requests decode
     encoder_budget: int = 1  # images through the vision tower per step while requests decode (the first always goes)
     max_model_len: int | None = None  # caps the model's own context (prompt + output)

@@ -80,6 +80,9 @@ class PrefillChunk:
     # stem (a snapshot, for caches that cannot be cut back: SchedulerConfig.snapshots)
     store_prefix: bool = False
     forks: tuple[str, ...] = ()  # the prompt ends here: these requests fork from it (n > 1)
+    # The prompt ends here while others are still in their prompts: its first token goes out, and its
+    # row waits out of the decode batch until a plan's ``join`` names it (the scheduler's join gate)
+    hold: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +97,7 @@ class PrefillChunk:
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step's plan. Lists keep admission order; the runner executes them in the order
-    forget -> enter -> encode -> decode -> prefill."""
+    forget -> enter -> encode -> join -> decode -> prefill."""
 
     new: list[NewRequest] = field(default_factory=list)
     encode: list[EncodeChunk] = field(default_factory=list)  # vision tower (or the vision cache) and merge
@@ -109,6 +112,7 @@ class SchedulerOutput:
     # Whole prompts that share one left-padded forward (two or more each); other chunks run alone.
     prefill_groups: list[list[str]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # ended since the last step: free their state
+    join: list[str] = field(default_factory=list)  # held rows (a chunk's ``hold``) that join the decode batch now
     encode_pixels: float = 0.0  # pixel values the encodes put through the tower (a piece: its blocks' share)
 
     @property

@@ -139,6 +139,7 @@ class Request:
     num_prompt_tokens: int = -1
     arrival_time: float = field(default_factory=time.monotonic)  # when its prompt was ready (AddRequest's)
     first_token_time: float | None = None  # when the step that sampled its first token ended
+    held: bool = False  # prefilled, its first token out, its row kept out of the decode batch (the join gate)
     # n > 1: the requests forked from this one when its prefill ends (admitted with it), or the one
     # this request is forked from (it is never encoded or prefilled itself)
     forks: list[Request] = field(default_factory=list)

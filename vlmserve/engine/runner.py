@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, cast
 
 import mlx.core as mx
@@ -75,6 +76,7 @@ class ModelRunner:
             self.caches.vision = None
         self.prompts: dict[str, PromptRow] = {}  # the prefill batch, by request
         self.batch = DecodeBatch()
+        self.held: dict[str, Callable[[], None]] = {}  # prefilled rows kept out of the batch: their join
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one step's plan: forget, enter, encode, decode, prefill. A part that raises fails just
@@ -85,6 +87,9 @@ class ModelRunner:
             self._guarded(out, [new.request_id], self._enter, new)
         self._encode_all(plan.encode, out)
         self._share(plan, out)
+        for request_id in plan.join:
+            if (join := self.held.pop(request_id, None)) is not None:
+                self._guarded(out, [request_id], join)
         if plan.decode and (plan.drafts or plan.draft_widths):
             self._guarded(out, plan.decode, self._verify, plan, out)
         elif plan.decode:
@@ -251,7 +256,12 @@ class ModelRunner:
         rows = 1 + len(forks)  # n > 1: the prompt's KV and state copied into a row per fork
         row_state = {k: mx.concatenate([v] * rows) if rows > 1 else v for k, v in embedded.row_state.items()}
         draft = self._mtp().first([row.draft], [[s.token_id for s in firsts]]) if row.draft is not None else None
-        self._join(ids, [merge_rows(c, rows) for c in row.cache], row_state, sampling, firsts, draft)
+        join = partial(self._join, ids, [merge_rows(c, rows) for c in row.cache], row_state, sampling, firsts, draft)
+        if chunk.hold:  # the row waits out of the decode batch until a plan joins it
+            self.prompts.pop(chunk.request_id, None)
+            self.held[chunk.request_id] = join
+        else:
+            join()
 
     def _prefill_scored(self, row: PromptRow, embedded: Embedded, chunk: PrefillChunk) -> mx.array:
         """A chunk whose every position's logits are kept: each next prompt token's logprob (and the
@@ -423,6 +433,7 @@ class ModelRunner:
         ids = list(request_ids)
         for request_id in ids:
             self.prompts.pop(request_id, None)
+            self.held.pop(request_id, None)
         self.batch.remove(ids)
 
 

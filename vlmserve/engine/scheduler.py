@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from vlmserve.engine.memory import KVBudget
@@ -32,6 +32,8 @@ from vlmserve.engine.request import Request, RequestStatus
 from vlmserve.engine.speculative import DraftPolicy, SpeculativeConfig, follow_prediction, lookup
 
 SCORED_CHUNK = 128  # prompt tokens a step for a prompt whose logprobs are asked: its logits are [n, vocab]
+# The join gate: a held row waits at most this many times its own time to first token
+HOLD_LIMIT = 8.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,6 +55,9 @@ class SchedulerConfig:
     # drafts at all (a request's prediction is a draft on any server that does)
     speculative: SpeculativeConfig | None = None
     verifies: bool = True
+    # The join gate: a prompt that ends while others are in their prompts keeps its row out of the decode
+    # batch until they end (off across pipeline ranks, which join as rank 0's plan says)
+    holds_rows: bool = True
 
 
 class CacheBook(Protocol):
@@ -160,7 +165,8 @@ class Scheduler:
         have had none of them started yet."""
         out = SchedulerOutput(finished=self.take_finished())
         out.new = self._admit()
-        decoding = [r for r in self.running if r.encoded and r.prefill_done]
+        out.join = self._release_held()
+        decoding = [r for r in self.running if r.encoded and r.prefill_done and not r.held]
         out.decode = [r.request_id for r in decoding]
         out.drafts, out.draft_widths = self._plan_drafts(decoding)
         since = min((r.first_token_time or math.inf for r in decoding), default=math.inf)
@@ -170,9 +176,43 @@ class Scheduler:
                            self.config.encoder_budget, any(r.num_computed_layers for r in self.running))
         self._plan_prefill(budgets, {c.request_id for c in text})
         images, out.encode_pixels = self._plan_encode(budgets)
-        out.encode, out.prefill = text + images, budgets.prefill
-        out.prefill_groups = self._groups(out.prefill)
+        out.prefill_groups = self._groups(budgets.prefill)
+        grouped = {r for g in out.prefill_groups for r in g}  # a shared forward's rows join together
+        out.encode = text + images
+        out.prefill = [replace(c, hold=False) if c.request_id in grouped else c for c in budgets.prefill]
         return out
+
+    def _prompting(self, req: Request) -> bool:
+        """Whether ``req`` is admitted and still in its prompt (a fork waits with its parent)."""
+        return not req.prefill_done and req.fork_of is None
+
+    def _release_held(self) -> list[str]:
+        """The join gate. A prompt that ended while others were in their prompts sent its first token, and
+        its row waits out of the decode batch: every step it would decode makes theirs longer. It joins once
+        no prompt that arrived before its first token is still in its prompt, or once it has waited
+        ``HOLD_LIMIT`` times its own time to first token (a long prompt behind it does not hold it long).
+        So a burst's prompts get their first tokens first (as a server that prefills them all in one step
+        gives them), while the streams that were running go on decoding."""
+        now = time.monotonic()
+        joined = []
+        for req in self.running:
+            if not req.held or req.first_token_time is None:
+                continue
+            waited = now - req.first_token_time
+            ahead = any(self._prompting(r) and r.arrival_time <= req.first_token_time for r in self.running)
+            if not ahead or waited > HOLD_LIMIT * max(req.first_token_time - req.arrival_time, 0.0):
+                req.held = False
+                joined.append(req.request_id)
+        return joined
+
+    def _holds(self, req: Request) -> bool:
+        """Whether ``req``'s row is held when its prompt ends this step: others are still in their prompts."""
+        return self.config.holds_rows and not req.live_forks and \
+            any(self._prompting(r) and r is not req for r in self.running)
+
+    def longest_wait(self, now: float) -> float:
+        """How long the oldest admitted prompt still in its prompt has waited since it arrived (0: none)."""
+        return max((now - r.arrival_time for r in self.running if self._prompting(r)), default=0.0)
 
     def _plan_drafts(self, decoding: list[Request]) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
         """Each decoding row's draft this step, all cut to the width the policy finds pays (maybe none):
@@ -369,12 +409,13 @@ class Scheduler:
         last = None if layers[1] >= self.config.num_layers else layers[1]
         return PrefillChunk(req.request_id, start, end, layers[0], last,
                             store_prefix=last is None and self._prefix_cacheable(req) and not self.config.snapshots,
-                            forks=self._forks(req) if last is None else ())
+                            forks=self._forks(req) if last is None else (), hold=last is None and self._holds(req))
 
     def _tokens_chunk(self, req: Request, start: int, end: int) -> PrefillChunk:
         ends = end == req.num_prompt_tokens
         stores = end == self._stem(req) if self.config.snapshots else ends and self._prefix_cacheable(req)
-        return PrefillChunk(req.request_id, start, end, store_prefix=stores, forks=self._forks(req) if ends else ())
+        return PrefillChunk(req.request_id, start, end, store_prefix=stores, forks=self._forks(req) if ends else (),
+                            hold=ends and self._holds(req))
 
     def _stem(self, req: Request) -> int | None:
         """Where the snapshot of ``req``'s cache is taken, if one is still to be (``snapshots``): its
@@ -431,6 +472,7 @@ class Scheduler:
                         fork.encoded, fork.num_prompt_tokens = True, req.num_prompt_tokens
                         fork.num_computed_tokens, fork.num_cached_tokens = req.num_prompt_tokens, req.num_cached_tokens
         touched = [*plan.encode_ids, *plan.decode, *(r for c in plan.prefill for r in (c.request_id, *c.forks))]
+        held = {c.request_id for c in plan.prefill if c.hold}
         now = time.monotonic()
         for request_id in dict.fromkeys(touched):
             req = self._by_id.get(request_id)
@@ -443,6 +485,7 @@ class Scheduler:
             elif (sample := output.samples.get(request_id)) is not None:
                 req.first_token_time = req.first_token_time or now
                 updates += self._take_all(req, [sample, *output.more.get(request_id, ())])
+                req.held = request_id in held and not req.status.finished
             if request_id in output.verified:
                 req.acceptance.record(*output.verified[request_id], req.drafts_from_prediction)
             req.unread = request_id in output.unread
