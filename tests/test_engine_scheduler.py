@@ -564,3 +564,17 @@ def test_the_scheduler_reports_the_oldest_prompt_still_in_its_prompt():
     assert s.longest_wait(now) == 0.0  # nothing admitted yet
     _step(s)  # a's prompt ends, b's goes on
     assert s.longest_wait(now) == 2.0
+
+
+def test_a_step_with_prompt_work_measures_the_prompt_token_and_leaves_the_decode_step_alone():
+    """An underestimated prompt token must not read as a longer decode step (a larger budget, longer steps)."""
+    from vlmserve.engine.costs import StepCosts
+
+    costs = StepCosts(share=2.0, floor=16, ceiling=512, max_share=4.0, prompt_token_s=0.001, decode_step_s=0.02)
+    for _ in range(40):
+        costs.observe(0.02 + 50 * 0.003, 50, 0.0)  # prompt tokens cost 3 ms, not the 1 ms probed
+    assert costs.decode_step_s == 0.02 and abs(costs.prompt_token_s - 0.003) < 1e-6
+    costs.observe(0.03 + 0.01, 0, 0.01)  # a decode-only step, its vision work taken off
+    assert abs(costs.decode_step_s - 0.022) < 1e-9
+    costs.observe(0.5, 4, 0.0)  # too few prompt tokens to tell their cost from the step's overheads
+    assert abs(costs.prompt_token_s - 0.003) < 1e-6

@@ -193,8 +193,9 @@ class EngineCore:
         self._apply(plan, output, self.scheduler.update_from_output(plan, output))
         self.costs.observe_vision(plan.encode_pixels, output.vision_seconds)
         self.costs.observe_drafts(output.draft_seconds, output.draft_tokens)
-        if plan.decode and not output.verified:  # a verify's step is not a decode step's cost
-            self.costs.observe(time.perf_counter() - start, self._prompt_work(plan), output.vision_seconds)
+        if (plan.decode or plan.prefill) and not output.verified:  # a verify's step is not a decode step's cost
+            self.costs.observe(time.perf_counter() - start, self._prompt_work(plan), output.vision_seconds,
+                               bool(plan.decode))
         # Counters first: whoever sees this step's outputs also sees the state they left behind.
         self._record(time.perf_counter() - start, not plan.empty)
         if self._pending or not plan.empty:

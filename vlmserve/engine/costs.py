@@ -1,12 +1,13 @@
 """[worker] What a step costs on this machine, measured, and the prompt share of a step it allows.
 
 A stream decoding one token a step freezes for as long as one step runs. While requests decode,
-the scheduler gives each step only as many prompt tokens as take ``share`` times a decode step:
-the seconds a prompt token costs are probed once at start-up (a text prompt prefilled whole), and
-a decode step's are a running average over the steps that decode, less their prompt and vision
-work. On a compute-bound CPU a prompt token costs a third of a decode step; on a Mac's GPU a
-fiftieth: one rule gives each its own token budget. While nothing decodes there is nobody to
-freeze, and prompts get the full ``prefill_chunk``.
+the scheduler gives each step only as many prompt tokens as take ``share`` times a decode step, and
+more the longer the oldest prompt has waited, up to ``max_share`` (a backlog goes in fewer, longer
+steps, each bounded). The seconds a prompt token and a decode step cost are probed once at start-up
+(a text prompt prefilled whole), then kept as running averages: a decode step over the steps that
+only decoded, a prompt token over the steps with prompt work. On a compute-bound CPU a prompt token
+costs a third of a decode step; on a Mac's GPU a fiftieth: one rule gives each its own token budget.
+While nothing decodes there is nobody to freeze, and prompts get the full ``prefill_chunk``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from vlmserve.engine.params import PromptInputs, SamplingParams
 from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, SchedulerOutput
 
 FLOOR_TOKENS = 16  # prompt tokens per step while requests decode, at least: every prompt moves on
+OBSERVED_TOKENS = 8  # a step's prompt work measures a prompt token's cost from this many tokens on
 AGING_STEPS = 8  # a prompt that has waited this many decode steps' time doubles the prompt share, and so on
 PROBE_TOKENS = 128  # the cost probe's prompt length: long enough that per-token cost dominates
 _AVERAGE = 0.2  # weight of the newest decode step in the running average
@@ -37,11 +39,20 @@ class StepCosts:
     pixel_s: float = 0.0  # the vision tower's seconds per pixel value (running average)
     draft_token_s: float = 0.0  # a drafter model's seconds per draft token proposed (running average)
 
-    def observe(self, seconds: float, prompt_tokens: float, vision_s: float) -> None:
-        """One step that decoded: what its decode took, once its prompt and vision work are taken off."""
-        decode = seconds - prompt_tokens * self.prompt_token_s - vision_s
-        if decode > 0:
-            self.decode_step_s = _average(self.decode_step_s, decode)
+    def observe(self, seconds: float, prompt_tokens: float, vision_s: float, decoded: bool = True) -> None:
+        """One step, its vision work taken off. A step that only decoded measures a decode step; one with
+        prompt work (``OBSERVED_TOKENS`` or more), a prompt token, less the decode step where it decoded
+        too. Each from the steps it dominates: taking the prompt's share off a decode step by an estimate
+        would turn an underestimated prompt token into a longer decode step, hence a larger budget, and
+        longer steps again."""
+        rest = seconds - vision_s
+        if prompt_tokens <= 0:
+            if decoded and rest > 0:
+                self.decode_step_s = _average(self.decode_step_s, rest)
+        elif prompt_tokens >= OBSERVED_TOKENS:
+            prompt = rest - (self.decode_step_s if decoded else 0.0)
+            if prompt > 0:
+                self.prompt_token_s = _average(self.prompt_token_s, prompt / prompt_tokens)
 
     def observe_vision(self, pixels: float, vision_s: float) -> None:
         """A step's vision work: per pixel value, as images of any size go through the tower."""
