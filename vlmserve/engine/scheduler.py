@@ -8,7 +8,12 @@ Every step is planned and bounded, so a running stream never freezes when new pr
 - prompt tokens share a per-step token budget (vLLM's ``num_scheduled_tokens``). A prompt that
   cannot be split by tokens (an image span attending both ways) is split by layers instead: a few
   of the language model's layers per step, as many as its share of the budget pays for, its hidden
-  state carried to the next step. One such prompt at a time.
+  state carried to the next step. One such prompt at a time. The budget grows with how long the
+  oldest prompt has waited, up to a bound (engine/costs.py): a backlog goes in fewer, longer steps;
+- the join gate: a prompt that ends while others are still in their prompts sends its first token
+  and keeps its row out of the decode batch until they end (or for a bounded time), so that a burst's
+  prompts are not slowed by each other's decoding: every first token comes before the burst's second
+  ones, as when a server prefills them all in one step, while the streams already running decode on.
 A stream is kept from freezing by the prompts that arrive after its first token. Prompts that were
 ready before it (a burst that arrived together, the first of which already decodes) are its cohort:
 they go at the full ``prefill_chunk``, as they would have had none of them started, so a burst
