@@ -93,17 +93,19 @@ class Target:
     base_url: str
     model: str
     extra_body: dict[str, Any] = field(default_factory=dict)  # e.g. ignore_eos where supported
+    timeout_s: float = REQUEST_TIMEOUT_S  # one request's limit where the caller names none (slow models)
 
 
 async def stream_chat(
     client: httpx.AsyncClient, target: Target, msgs: list[dict[str, Any]], max_tokens: int,
-    kind: str = "", cancel_after: int | None = None, timeout: float = REQUEST_TIMEOUT_S,
+    kind: str = "", cancel_after: int | None = None, timeout: float | None = None,
     result: RequestResult | None = None,
 ) -> RequestResult:
     """POST one streaming chat completion; ``cancel_after`` chunks closes the connection early.
 
-    Pass ``result`` to watch the stream's progress while it runs.
+    Pass ``result`` to watch the stream's progress while it runs; ``timeout`` defaults to the target's.
     """
+    timeout = target.timeout_s if timeout is None else timeout
     result = result or RequestResult()
     result.kind, result.sent_at = kind, time.perf_counter()
     try:

@@ -11,6 +11,7 @@ random at the embeddings' scale, output rows zero). lm_head is the tied embeddin
 mlx-vlm's idefics3 LM has its own (hence ~163 M parameters). The chat template is SmolLM2's ChatML, not
 SmolVLM's ``User:``/``<end_of_utterance>`` one the text tower never saw; an image part is ``<image>``.
 As a script it builds, prints the path, and has mlx-vlm answer one question greedily.
+``ignore_eos_copy()`` makes a copy whose answers never end early (for benchmarks).
 """
 
 from __future__ import annotations
@@ -227,6 +228,34 @@ def build_smolvlm_smollm2(out_dir: Path | None = None, *, dtype: str = "float32"
         shutil.rmtree(tmp, ignore_errors=True)
     seconds = time.perf_counter() - start
     print(f"built {dest}: {count_params(weights) / 1e6:.1f} M parameters ({dtype}) in {seconds:.1f} s", file=sys.stderr)
+    return dest
+
+
+def ignore_eos_copy(model: Path) -> Path:
+    """``model`` with every special token's ``lm_head`` row zeroed (EOS among them), built once beside it.
+
+    As ``vlmserve.testing``'s ``ignore_eos=True`` does (``weights.silence_tokens``): a zero row gives logit
+    0, below the best of the real vocabulary's in practice, so greedy decoding never ends early and every
+    request runs to its max_tokens on every server, whether or not it has an ``ignore_eos`` parameter.
+    The other tensors and files are the same."""
+    import mlx.core as mx
+
+    dest, source = model.parent / f"{model.name}-ignore_eos", model / "model.safetensors"
+    if (dest / "model.safetensors").exists() and (dest / "model.safetensors").stat().st_mtime >= source.stat().st_mtime:
+        return dest  # and not older than the model it was made from
+    tmp = model.parent / f".{dest.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(model, tmp, ignore=shutil.ignore_patterns("*.safetensors"))
+    added = json.loads((model / "tokenizer.json").read_text())["added_tokens"]
+    special = sorted(t["id"] for t in added if t["special"])
+    weights = mx.load(str(source))
+    head = weights["language_model.lm_head.weight"]
+    keep = mx.ones((head.shape[0], 1), dtype=head.dtype)
+    keep[mx.array(special)] = 0
+    weights["language_model.lm_head.weight"] = head * keep
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
     return dest
 
 
