@@ -118,6 +118,7 @@ def test_serve_defaults_are_the_config_dataclasses_own(monkeypatch: pytest.Monke
     engine = EngineConfig()
     flags = {"--max-batch-size": engine.max_batch_size, "--max-queue": engine.max_queue,
              "--prefill-chunk": engine.prefill_chunk, "--stream-step-share": engine.stream_step_share,
+             "--stream-step-share-max": engine.stream_step_share_max,
              "--encoder-budget": engine.encoder_budget, "--stream-stall-timeout": engine.stall_timeout_s,
              "--default-max-tokens": ServeConfig().default_max_tokens}
     text = " ".join(_help("serve").split())
