@@ -15,6 +15,7 @@ import uvicorn
 
 from vlmserve import __version__
 from vlmserve.api.app import create_app, stop_engines
+from vlmserve.api.intake import Turns, intake_protocol
 from vlmserve.api.state import ServedModel, ServerState, aliases_for
 from vlmserve.config import ServeConfig, resolve_model
 from vlmserve.frontend.async_engine import AsyncEngine
@@ -203,8 +204,9 @@ def serve(config: ServeConfig) -> int:
                  "an API key is required" if config.api_key else "no API key is required")
 
     app = create_app(state, on_fatal=lambda message: holder[0].fail(message), on_ready=ready)
+    http = intake_protocol(guarded_protocol(config.header_timeout_s), state, Turns())
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                               timeout_graceful_shutdown=5, access_log=False, http=guarded_protocol(config.header_timeout_s),
+                               timeout_graceful_shutdown=5, access_log=False, http=http,
                                timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]  # a delay
                                ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
                                log_config=None)  # uvicorn logs through ours: timestamps, one format

@@ -7,16 +7,17 @@ import contextlib
 import importlib.resources
 import logging
 import secrets
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from vlmserve import __version__
+from vlmserve.api import probes
 from vlmserve.api.anthropic import count_tokens, create_message
 from vlmserve.api.anthropic_input import CountTokensRequest, MessagesRequest
 from vlmserve.api.chat import create_chat_completion
@@ -27,7 +28,6 @@ from vlmserve.api.responses_input import ResponsesRequest
 from vlmserve.api.schemas import ChatCompletionRequest
 from vlmserve.api.state import ServedModel, ServerState
 from vlmserve.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
-from vlmserve.frontend.async_engine import STARTING_RETRY_S
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,9 @@ def create_app(state: ServerState, on_fatal: Callable[[str], None] | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # anyio imports its asyncio backend on first use, a streamed response's: 15-20 ms of the loop here
+        # (2 cores) that the first stream after start-up, a flood's included, would hold everyone for
+        await anyio.sleep(0)
         starting = asyncio.create_task(_start_engines(state, on_fatal, on_ready))
         try:
             yield
@@ -105,17 +108,14 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def playground() -> FileResponse:
         return FileResponse(str(web / "index.html"))
 
+    # Plain probes are answered before the app, by the HTTP protocol (probes.py); these answer the rest.
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        return _probe_response(probes.health(state))
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        models = {m.name: _engine_status(m.engine) for m in state.models}
-        loading = not state.ready and not state.draining and any(m.engine.starting for m in state.models)
-        headers = {"Retry-After": str(STARTING_RETRY_S)} if loading else None
-        return JSONResponse({"ready": state.ready, "models": models}, status_code=200 if state.ready else 503,
-                            headers=headers)
+        return _probe_response(probes.readiness(state))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -172,10 +172,8 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         return {"version": __version__}
 
 
-def _engine_status(engine: Any) -> str:
-    if engine.ready:
-        return "ready"
-    return f"failed: {engine.dead_reason}" if engine.dead_reason else "loading"
+def _probe_response(answer: probes.ProbeAnswer) -> JSONResponse:
+    return JSONResponse(answer.body, status_code=answer.status, headers=answer.headers or None)
 
 
 class RequestId:
@@ -189,9 +187,7 @@ class RequestId:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope.get("headers") or []).get(b"x-request-id", b"")
-        ok = 0 < len(given) <= 128 and all(33 <= c < 127 for c in given)
-        request_id = given if ok else uuid.uuid4().hex.encode()
+        request_id = probes.request_id(dict(scope.get("headers") or []).get(b"x-request-id", b""))
 
         async def with_id(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
