@@ -311,7 +311,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
     engine = EngineConfig(
         max_batch_size=args.max_batch_size, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
         stream_prefill_chunk=args.stream_prefill_chunk, stream_step_share=args.stream_step_share,
-        stream_step_share_max=max(args.stream_step_share_max, args.stream_step_share), join_gate=args.join_gate,
+        stream_step_share_max=args.stream_step_share_max, join_gate=args.join_gate,
         encoder_budget=args.encoder_budget, max_model_len=args.max_model_len, prefix_cache=not args.no_prefix_cache,
         dtype=args.dtype, trust_remote_code=args.trust_remote_code, chat_template=template,
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,

@@ -112,8 +112,7 @@ class EngineCore:
         self._new_caches()
         self.scheduler = Scheduler(scheduler_config(loaded.adapter, config), self.kv, self.caches)
         self.runner: Runner = runner if runner is not None else runner_for(loaded, self.caches)
-        self.costs = StepCosts(config.stream_step_share, FLOOR_TOKENS, config.prefill_chunk,
-                               max(config.stream_step_share_max, config.stream_step_share))
+        self.costs = StepCosts(config.stream_step_share, FLOOR_TOKENS, config.prefill_chunk, config.stream_step_share_max)
         self.metrics = EngineMetrics()
         self._inbox: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()
         self._early_aborts: OrderedDict[str, None] = OrderedDict()

@@ -32,7 +32,7 @@ class StepCosts:
     share: float  # a step's prompt work may take this many decode steps' time
     floor: int  # prompt tokens per step, at least
     ceiling: int  # and at most (the idle budget)
-    max_share: float = 0.0  # the share grows with the oldest prompt's wait up to this (0: ``share``)
+    max_share: float = 0.0  # the share grows with the oldest prompt's wait up to this (``share`` if less)
     prompt_token_s: float = 0.0
     decode_step_s: float = 0.0
     sync_step_s: float = 0.0  # a decode step read at once (not pipelined), as a verify step is: probed once
