@@ -42,6 +42,7 @@ class LoadedModel:
     max_context: int
     load_seconds: float
     drafter: AnyDrafter | None = None  # speculative decoding's drafter model (engine/drafter.py), loaded beside it
+    weights_bytes: int = 0  # its weights' bytes as served (after any cast)
 
     @property
     def tokenizer(self) -> Any:
@@ -103,10 +104,11 @@ def finish_loading(model: nn.Module, processor: Any, path_or_id: str, name: str 
         eos_token_ids=_eos_token_ids(config, processor),
         max_context=_max_context(config),
         load_seconds=time.perf_counter() - start,
+        weights_bytes=weight_bytes(model.parameters()),
     )
     if materialize:
         log.info("loaded %s (%s) in %.2f s, weights %.1f MiB", loaded.name, loaded.model_type, loaded.load_seconds,
-                 weight_bytes(model.parameters()) / 2**20)
+                 loaded.weights_bytes / 2**20)
     return loaded
 
 

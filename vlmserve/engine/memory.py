@@ -16,12 +16,16 @@ running requests' reservations never hold more than the budget together.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import mlx.core as mx
+
 from vlmserve.engine.params import PromptInputs, SamplingParams
 from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, SchedulerOutput
+from vlmserve.preprocess.decode_budget import give_memory_back
 
 
 @dataclass(slots=True, frozen=True)
@@ -129,3 +133,12 @@ class KVBudget:
         return (f"its KV cache would take {cost / 2**20:.1f} MiB ({need} positions: prompt + max_tokens), "
                 f"over this server's KV budget of {self.limit_bytes / 2**20:.1f} MiB; lower max_tokens or "
                 "shorten the prompt")
+
+
+def give_back() -> None:
+    """[any] After an engine stopped and was dropped (a model unloaded): collect what still refers to its
+    arrays, empty MLX's buffer cache, and hand the freed heap back to the system (``malloc_trim``).
+    MLX's cache is the process's, not a stream's: any thread may empty it."""
+    gc.collect()
+    mx.clear_cache()
+    give_memory_back()

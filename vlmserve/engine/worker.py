@@ -159,6 +159,7 @@ class MLXWorkerThread:
             mx.clear_streams()
             if self.on_exit is not None:
                 self.on_exit(self.error)
+            self._stepper = None  # nothing steps it now; its engine's arrays go with whoever still holds it
 
     def _loop(self) -> None:
         while True:

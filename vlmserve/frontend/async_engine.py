@@ -556,6 +556,22 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def weights_bytes(self) -> int:
+        return self.loaded.weights_bytes if self.loaded is not None else 0
+
+    def forget(self) -> None:
+        """After ``shutdown``: drop the model, its processor and tokenizers, so that nothing here keeps its
+        arrays alive (a model unloaded on demand gives its memory back)."""
+        assert not self.worker.alive, "forget a stopped engine only"
+        self.loaded = self.core = self.prompter = self.tokenizer = self.guides = self.kv = None
+        self._runner = None
+        self._streams.clear()
+        # the cycles through callbacks too: an engine made before the server froze its heap (gc.freeze, at
+        # ready) is never collected, so nothing it holds may keep the model
+        self.worker.on_exit = self.on_step = self.on_dead = None
+        self.worker.set_stepper(None)
+
     async def stats(self) -> EngineMetrics:
         """Exact engine counters, read on the worker between two steps."""
         return await self.worker.run(self._check_alive().snapshot)
