@@ -115,6 +115,19 @@ def _serve_parser(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--served-model-name", action="append", nargs="+", default=[], metavar="NAME",
                      help="the names a model answers to, the first shown in /v1/models (default: the --model "
                           "string and a directory's base name); repeat once per --model, in order")
+    srv.add_argument("--model-dir", action="append", type=Path, default=[], metavar="DIR",
+                     help="serve every model folder under DIR on demand, named by its folder (DIR/name, or "
+                          "DIR/org/name): listed at once, loaded on its first request, unloaded when idle or to make "
+                          "room; repeatable. With it and no --model, only these are served")
+    srv.add_argument("--max-loaded-models", type=int, default=serve.max_loaded_models, metavar="N",
+                     help="models loaded at once, --model ones included; a load unloads the least recently used "
+                          "idle model of --model-dir first (default: no limit)")
+    srv.add_argument("--memory-budget-gb", type=float, default=serve.memory_budget_gb, metavar="G",
+                     help="the loaded models' weights and KV reservations at most; a load unloads the least recently "
+                          "used idle models of --model-dir until it fits (default: no limit)")
+    srv.add_argument("--idle-unload-s", type=float, default=serve.idle_unload_s, metavar="S",
+                     help=f"unload a model of --model-dir nobody has used for S seconds; 0: never (default: "
+                          f"{serve.idle_unload_s:g})")
     srv.add_argument("--limit-mm-per-prompt", type=_json_object,
                      default={"image": serve.max_images, "video": serve.max_videos}, metavar="JSON",
                      help=f'media items in one request, as vLLM takes it: \'{{"image": {serve.max_images}, "video": '
@@ -300,6 +313,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         return "--video-fps must be in (0, 60] and --video-max-frames >= 2"
     if len(args.served_model_name) > max(1, len(args.model)):
         return "--served-model-name: give it once per --model, in the same order"
+    problem = _model_dirs(args)
+    if problem is not None:
+        return problem
     if min(args.max_image_pixels, args.decode_pixels) < 1:
         return "--max-image-pixels and --decode-pixels must be >= 1"
     for directory in args.allowed_media_dir:
@@ -338,7 +354,26 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         max_images=args.limit_mm_per_prompt.get("image", field_default(ServeConfig, "max_images")),
         max_videos=args.limit_mm_per_prompt.get("video", field_default(ServeConfig, "max_videos")),
         video_fps=args.video_fps, video_max_frames=args.video_max_frames,
+        model_dirs=tuple(args.model_dir), max_loaded_models=args.max_loaded_models,
+        memory_budget_gb=args.memory_budget_gb, idle_unload_s=args.idle_unload_s,
     )
+
+
+def _model_dirs(args: argparse.Namespace) -> str | None:
+    """What is wrong with --model-dir and its limits, if anything."""
+    for directory in args.model_dir:
+        if not directory.is_dir():
+            return f"--model-dir {directory}: not a directory"
+    if args.max_loaded_models is not None and args.max_loaded_models < 1:
+        return "--max-loaded-models must be >= 1"
+    if args.model_dir and args.max_loaded_models is not None and args.max_loaded_models <= len(args.model):
+        return (f"--max-loaded-models {args.max_loaded_models} leaves no room for a model of --model-dir beside "
+                f"{len(args.model)} --model(s), which never unload")
+    if args.memory_budget_gb is not None and args.memory_budget_gb <= 0:
+        return "--memory-budget-gb must be > 0"
+    if args.idle_unload_s < 0:
+        return "--idle-unload-s must be >= 0 (0: never)"
+    return None
 
 
 def _serve_command(args: argparse.Namespace) -> int:

@@ -72,6 +72,11 @@ class ServeConfig:
 
     models: tuple[str, ...] = ()
     served_names: tuple[tuple[str, ...], ...] = ()  # per model, in order: the names it answers to (the first shown)
+    # Models on demand (api/registry.py): every model folder under these, loaded on its first request
+    model_dirs: tuple[Path, ...] = ()
+    max_loaded_models: int | None = None  # loaded at once, --model ones included; the least recently used unloads
+    memory_budget_gb: float | None = None  # loaded models' weights and KV reservations, at most
+    idle_unload_s: float = 300.0  # a model of --model-dir unused this long unloads (0: never), as Ollama's keep_alive
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None

@@ -16,6 +16,7 @@ import uvicorn
 from vlmserve import __version__
 from vlmserve.api.app import create_app, stop_engines
 from vlmserve.api.intake import Turns, intake_protocol
+from vlmserve.api.registry import Limits, ModelRegistry
 from vlmserve.api.state import ServedModel, ServerState, aliases_for
 from vlmserve.config import ServeConfig, resolve_model
 from vlmserve.frontend.async_engine import AsyncEngine
@@ -32,7 +33,8 @@ def build_state(config: ServeConfig) -> ServerState:
     pool = ThreadPoolExecutor(max_workers=config.engine.preprocess_threads, thread_name_prefix="preprocess")
     images = ThreadPoolExecutor(max_workers=config.engine.image_threads, thread_name_prefix="preprocess-images")
     served = []
-    for i, spec in enumerate(config.models or (None,)):
+    # the built-in model when nothing else is asked for; a --model-dir alone serves its models only
+    for i, spec in enumerate(config.models or (() if config.model_dirs else (None,))):
         path, name = resolve_model(spec)
         names = config.served_names[i] if i < len(config.served_names) else ()
         aliases = names[1:] if names else aliases_for(path) if spec else ("default",)
@@ -43,7 +45,17 @@ def build_state(config: ServeConfig) -> ServerState:
                         max_images=config.max_images, max_videos=config.max_videos,
                         video_sampling=VideoSampling(fps=config.video_fps, max_frames=config.video_max_frames),
                         decoding=DecodeBudget(config.decode_pixels))
-    return ServerState(served, media, config)
+    state = ServerState(served, media, config)
+    if config.model_dirs:
+        def new_engine(path: str, name: str) -> AsyncEngine:
+            engine = AsyncEngine(path, name, config.engine, pool, images)
+            state.metrics.watch(name, engine)
+            return engine
+
+        budget = int(config.memory_budget_gb * 2**30) if config.memory_budget_gb else None
+        limits = Limits(config.max_loaded_models, budget, config.idle_unload_s or None)
+        state.registry = ModelRegistry(state.models, config.model_dirs, limits, new_engine)
+    return state
 
 
 class _Server(uvicorn.Server):
@@ -186,6 +198,17 @@ def _follow(config: ServeConfig, rank: int) -> int:
     return 0
 
 
+def _listing(state: ServerState) -> str:
+    """The models, pinned ones by name, those of --model-dir counted by status."""
+    pinned = ", ".join(m.name for m in state.pinned) or "no --model"
+    if state.registry is None:
+        return pinned
+    on_demand = [m for m in state.models if not m.pinned]
+    usable = sum(m.problem is None for m in on_demand)
+    return (f"{pinned}, and {usable} model(s) of --model-dir on demand"
+            + (f" ({len(on_demand) - usable} unavailable)" if usable < len(on_demand) else ""))
+
+
 def serve(config: ServeConfig) -> int:
     """Run until a signal; non-zero exit when a model fails to load."""
     try:
@@ -199,8 +222,7 @@ def serve(config: ServeConfig) -> int:
 
     def ready() -> None:
         freeze_heap()
-        log.info("vlmserve %s serving %s on %s (the playground: %s/; %s)", __version__,
-                 ", ".join(m.name for m in state.models), url, url,
+        log.info("vlmserve %s serving %s on %s (the playground: %s/; %s)", __version__, _listing(state), url, url,
                  "an API key is required" if config.api_key else "no API key is required")
 
     app = create_app(state, on_fatal=lambda message: holder[0].fail(message), on_ready=ready)
@@ -221,8 +243,7 @@ def serve(config: ServeConfig) -> int:
         print(f"vlmserve: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc} "
               "(choose another --port or --host)", file=sys.stderr)
         return 1
-    log.info("vlmserve %s loading %s; it will serve on %s once ready", __version__,
-             ", ".join(m.name for m in state.models), url)
+    log.info("vlmserve %s loading %s; it will serve on %s once ready", __version__, _listing(state), url)
     logging.getLogger("uvicorn.error").addFilter(_no_cancelled_tracebacks)
     server.run(sockets=[sock])
     if server.fatal:

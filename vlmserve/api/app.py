@@ -7,6 +7,7 @@ import contextlib
 import importlib.resources
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel
 
 from vlmserve import __version__
 from vlmserve.api import probes
@@ -43,6 +45,8 @@ def create_app(state: ServerState, on_fatal: Callable[[str], None] | None = None
         # (2 cores) that the first stream after start-up, a flood's included, would hold everyone for
         await anyio.sleep(0)
         starting = asyncio.create_task(_start_engines(state, on_fatal, on_ready))
+        if state.registry is not None:
+            state.registry.start()
         try:
             yield
         finally:
@@ -70,10 +74,12 @@ def create_app(state: ServerState, on_fatal: Callable[[str], None] | None = None
 
 async def _start_engines(state: ServerState, on_fatal: Callable[[str], None] | None,
                          on_ready: Callable[[], None] | None) -> None:
-    """Each model in turn; one that fails does not stop the others loading, so that every bad
-    ``--model`` is named at once. Any failure is fatal (one line each), reported once the rest are tried."""
+    """Each pinned model (``--model``) in turn; one that fails does not stop the others loading, so that every
+    bad ``--model`` is named at once. Any failure is fatal (one line each), reported once the rest are tried.
+    The models of ``--model-dir`` load on demand (api/registry.py)."""
     failures = []
-    for served in state.models:
+    for served in state.pinned:
+        began = time.perf_counter()
         try:
             await served.engine.start()
         except Exception as exc:  # noqa: BLE001 - reported once, clearly, then the server exits
@@ -81,6 +87,7 @@ async def _start_engines(state: ServerState, on_fatal: Callable[[str], None] | N
             failures.append(said if "cannot load model" in said else f"model {served.name!r} failed to load: {said}")
             await served.engine.shutdown(said)
             continue
+        served.loads, served.load_seconds = served.loads + 1, time.perf_counter() - began
         log.info("model %s ready (tool parser: %s)", served.name, served.tool_parser)
     if failures:
         message = "; ".join(failures)
@@ -95,11 +102,18 @@ async def _start_engines(state: ServerState, on_fatal: Callable[[str], None] | N
 async def stop_engines(state: ServerState, message: str) -> None:
     """Every waiting request gets an error (``shutting_down``: the server is draining); every worker joins."""
     state.draining = True
+    if state.registry is not None:
+        await state.registry.stop()
+    loads = [m.transition for m in state.models if m.transition is not None and not m.transition.done()]
+    for load in loads:  # a load on demand stops where it is; its waiters get the shutdown's error
+        load.cancel()
+    await asyncio.gather(*loads, return_exceptions=True)
     await asyncio.gather(*(m.engine.shutdown(message) for m in state.models), return_exceptions=True)
 
 
 def _routes(app: FastAPI, state: ServerState) -> None:
     state.metrics.watch_engines(lambda: [(m.name, m.engine) for m in state.models])
+    state.metrics.watch_models(lambda: list(state.models))
 
     web = importlib.resources.files("vlmserve") / "web"
     app.mount("/static", StaticFiles(directory=str(web)), name="static")
@@ -124,12 +138,36 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     def card(served: ServedModel) -> dict[str, Any]:
         engine = served.engine
         limit = engine.loaded.max_context if engine.loaded is not None else None
+        status = served.status
+        extra = {"reason": served.problem or engine.dead_reason} if status in ("unavailable", "failed") else {}
+        if status == "available" and served.last_error:
+            extra["last_error"] = served.last_error  # its next request tries again
         return {"id": served.name, "object": "model", "created": engine.created, "owned_by": "vlmserve",
-                "root": engine.model_spec, "parent": None, "max_model_len": limit}
+                "root": engine.model_spec, "parent": None, "max_model_len": limit, "status": status,
+                "pinned": served.pinned, **extra}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        if state.registry is not None:
+            state.registry.rescan()
         return {"object": "list", "data": [card(m) for m in state.models]}
+
+    @app.post("/v1/models/load")
+    async def load(body: ModelAction) -> dict[str, Any]:
+        """Load a model of --model-dir now (as its first request would); answers once it is loaded."""
+        served = await state.acquire(body.model)
+        state.release(served)
+        return card(served)
+
+    @app.post("/v1/models/unload")
+    async def unload(body: ModelAction) -> dict[str, Any]:
+        """Unload a model of --model-dir now; 409 if it is pinned or has requests in flight."""
+        served = state.model(body.model)
+        if state.registry is None or served.pinned:
+            raise APIError(409, f"model {served.name!r} is pinned (--model): it never unloads", "invalid_request_error",
+                           "model", "model_pinned")
+        await state.registry.unload_now(served)
+        return card(served)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
@@ -170,6 +208,10 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+
+class ModelAction(BaseModel):
+    model: str
 
 
 def _probe_response(answer: probes.ProbeAnswer) -> JSONResponse:

@@ -168,11 +168,17 @@ async def serve_call(body: ChatCompletionRequest, http: Request, state: ServerSt
 async def open_call(req: ChatCompletionRequest, http: Request, state: ServerState,
                     request_id: str) -> tuple[Call, RequestOutput, AsyncGenerator[RequestOutput, None]] | None:
     """Submit a chat request and wait for its first output (so that errors are still statuses);
-    None when the client went away first (the request is aborted)."""
+    None when the client went away first (the request is aborted). A model on demand is loaded first, and
+    kept loaded until the request is in flight (then its engine counts it)."""
     if state.draining:
         raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
                        None, "shutting_down")
-    served = state.model(req.model)
+    async with state.using(req.model) as served:
+        return await _open(req, http, state, request_id, served)
+
+
+async def _open(req: ChatCompletionRequest, http: Request, state: ServerState, request_id: str,
+                served: ServedModel) -> tuple[Call, RequestOutput, AsyncGenerator[RequestOutput, None]] | None:
     engine = served.engine
     chat = chat_input(req, state, engine)
     tokenizer = engine.tokenizer  # the loop's own copy

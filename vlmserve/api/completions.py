@@ -90,7 +90,19 @@ async def create_completion(req: CompletionRequest, http: Request, state: Server
         raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable", None,
                        "shutting_down")
     _refuse_unsupported(req)
-    served = state.model(req.model)
+    served = await state.acquire(req.model)  # held until every prompt ran: they may go one group at a time
+    streams = False
+    try:
+        response = await _complete(req, http, state, served)
+        streams = isinstance(response, StreamingResponse)  # it releases the model as it ends
+        return response
+    finally:
+        if not streams:
+            state.release(served)
+
+
+async def _complete(req: CompletionRequest, http: Request, state: ServerState, served: ServedModel) -> Any:
+    """``create_completion`` with the model loaded and leased."""
     engine = served.engine
     vocab = len(engine.tokenizer) if engine.tokenizer is not None else 0
     prompts = await _prompt_ids(req, served, vocab)
@@ -109,7 +121,7 @@ async def create_completion(req: CompletionRequest, http: Request, state: Server
     created, start = int(time.time()), time.perf_counter()
     if req.stream:
         stream = _stream(request_id, created, served, choices, params if generate else None, req, state, start)
-        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(state.holding(served, stream), media_type="text/event-stream", headers=SSE_HEADERS)
     if generate:
         work = asyncio.ensure_future(_run_all(request_id, served, choices, params, state, None))
         gone = asyncio.ensure_future(disconnected(http))

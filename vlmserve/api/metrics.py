@@ -145,6 +145,36 @@ class _EngineCollector:
         yield from (*ours.values(), *vllm.values(), *counters.values(), *theirs.values(), *positions)
 
 
+class _ModelCollector:
+    """Each served model's life on demand (api/registry.py): loads, unloads by reason, load time, memory."""
+
+    def __init__(self, models: Callable[[], list[Any]]) -> None:
+        self._models = models
+
+    def collect(self) -> Iterator[Metric]:
+        loads = CounterMetricFamily("vlmserve_model_loads", "Loads of a model that succeeded, start-up included",
+                                    labels=["model"])
+        failures = CounterMetricFamily("vlmserve_model_load_failures", "Loads of a model on demand that failed",
+                                       labels=["model"])
+        unloads = CounterMetricFamily("vlmserve_model_unloads", "Unloads of a model on demand, by why: lru "
+                                      "(--max-loaded-models), memory (--memory-budget-gb), idle (--idle-unload-s), "
+                                      "request (POST /v1/models/unload)", labels=["model", "reason"])
+        seconds = GaugeMetricFamily("vlmserve_model_load_seconds", "Its last load's seconds (load and warm-up)",
+                                    labels=["model"])
+        loaded = GaugeMetricFamily("vlmserve_model_loaded", "1 while the model is loaded", labels=["model"])
+        memory = GaugeMetricFamily("vlmserve_model_memory_bytes", "A loaded model's weights and its KV reservations",
+                                   labels=["model"])
+        for m in self._models():
+            loads.add_metric([m.name], m.loads)
+            failures.add_metric([m.name], m.load_failures)
+            for reason in ("lru", "memory", "idle", "request"):
+                unloads.add_metric([m.name, reason], m.unloads.get(reason, 0))
+            seconds.add_metric([m.name], m.load_seconds)
+            loaded.add_metric([m.name], 1.0 if m.engine.ready else 0.0)
+            memory.add_metric([m.name], m.memory_bytes)
+        yield from (loads, failures, unloads, seconds, loaded, memory)
+
+
 class ServerMetrics:
     """One registry per app, so several apps (tests) never collide."""
 
@@ -165,7 +195,14 @@ class ServerMetrics:
     def watch_engines(self, engines: Callable[[], list[tuple[str, Any]]]) -> None:
         self.registry.register(_EngineCollector(engines))
         for name, engine in engines():
-            engine.on_step = lambda m, name=name: self.step_time.labels(name).observe(m.last_step_s)
+            self.watch(name, engine)
+
+    def watch(self, name: str, engine: Any) -> None:
+        """``engine``'s steps into the step-time histogram (an engine made later, on demand, too)."""
+        engine.on_step = lambda m: self.step_time.labels(name).observe(m.last_step_s)
+
+    def watch_models(self, models: Callable[[], list[Any]]) -> None:
+        self.registry.register(_ModelCollector(models))
 
     def tokens_arrived(self, model: str, gap_s: float, count: int) -> None:
         """``count`` tokens of one request arrived ``gap_s`` after its previous ones."""

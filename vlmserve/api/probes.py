@@ -28,9 +28,10 @@ def health(state: ServerState) -> ProbeAnswer:
 
 
 def readiness(state: ServerState) -> ProbeAnswer:
-    """200 once every model serves; 503 while one loads (with Retry-After), after one failed, or draining."""
-    models = {m.name: _engine_status(m.engine) for m in state.models}
-    loading = not state.ready and not state.draining and any(m.engine.starting for m in state.models)
+    """200 once every pinned model serves; 503 while one loads (with Retry-After), after one failed, or draining.
+    The models of --model-dir say their status (``available`` ones load on their first request)."""
+    models = {m.name: _engine_status(m.engine) if m.pinned else m.status for m in state.models}
+    loading = not state.ready and not state.draining and any(m.engine.starting for m in state.pinned)
     headers = {"Retry-After": str(STARTING_RETRY_S)} if loading else {}
     return ProbeAnswer(200 if state.ready else 503, {"ready": state.ready, "models": models}, headers)
 

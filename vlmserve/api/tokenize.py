@@ -16,7 +16,7 @@ from vlmserve.api.chat import REFUSALS, chat_input, prompt_factory, refusal
 from vlmserve.api.errors import bad_request
 from vlmserve.api.messages import chat_request
 from vlmserve.api.schemas import ChatCompletionRequest, Message
-from vlmserve.api.state import ServerState
+from vlmserve.api.state import ServedModel, ServerState
 from vlmserve.preprocess.prompt import PromptBuilder
 
 MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize
@@ -50,7 +50,11 @@ class DetokenizeRequest(BaseModel):
 
 
 async def tokenize(req: TokenizeRequest, state: ServerState) -> dict[str, Any]:
-    served = state.model(req.model) if req.model else state.models[0]
+    async with state.using(req.model) as served:
+        return await _tokenize(req, state, served)
+
+
+async def _tokenize(req: TokenizeRequest, state: ServerState, served: ServedModel) -> dict[str, Any]:
     engine = served.engine
     try:
         if req.prompt is not None:
@@ -67,8 +71,8 @@ async def tokenize(req: TokenizeRequest, state: ServerState) -> dict[str, Any]:
 
 async def tokenizer_info(model: str | None, state: ServerState) -> dict[str, Any]:
     """The tokenizer's configuration and chat template (``?model=``: which model; else the first)."""
-    served = state.model(model) if model else state.models[0]
-    info: dict[str, Any] = await served.engine.on_pool(lambda p: p.tokenizer_info())
+    async with state.using(model) as served:
+        info: dict[str, Any] = await served.engine.on_pool(lambda p: p.tokenizer_info())
     return info
 
 
@@ -84,18 +88,23 @@ def _chat_body(req: TokenizeRequest, model: str) -> ChatCompletionRequest:
 async def chat_prompt_ids(body: ChatCompletionRequest, state: ServerState, add_generation_prompt: bool = True) -> list[int]:
     """The prompt a chat request would cost: its phase 1 on the pool (template, images and all); what
     phase 1 refuses is the API's 4xx."""
-    engine = state.model(body.model).engine
-    chat = chat_input(body, state, engine)
-    try:
-        prompt = await engine.preprocess(prompt_factory(chat, state.media, f"tokenize-{uuid.uuid4().hex}",
-                                                        add_generation_prompt))
-    except REFUSALS as exc:
-        raise refusal(exc, "messages") from None
+    async with state.using(body.model) as served:
+        engine = served.engine
+        chat = chat_input(body, state, engine)
+        try:
+            prompt = await engine.preprocess(prompt_factory(chat, state.media, f"tokenize-{uuid.uuid4().hex}",
+                                                            add_generation_prompt))
+        except REFUSALS as exc:
+            raise refusal(exc, "messages") from None
     return prompt.input_ids
 
 
 async def detokenize(req: DetokenizeRequest, state: ServerState) -> dict[str, str]:
-    served = state.model(req.model) if req.model else state.models[0]
+    async with state.using(req.model) as served:
+        return await _detokenize(req, served)
+
+
+async def _detokenize(req: DetokenizeRequest, served: ServedModel) -> dict[str, str]:
     engine = served.engine
     vocab = len(engine.tokenizer) if engine.tokenizer is not None else 0
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
