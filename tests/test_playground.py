@@ -152,6 +152,50 @@ def test_a_wrong_api_key_then_the_right_one(browser, tmp_path):
         server.stop()
 
 
+def test_a_model_dir_lists_every_model_and_loads_the_one_chosen(browser, tmp_path):
+    """``--model-dir``: every folder is listed with its status, one that is not a model disabled with its
+    reason; choosing one loads it (``POST /v1/models/load``), the others stay unloaded, and it answers."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    from vlmserve.testing import build_model
+
+    folder = tmp_path / "models"
+    for family in ("gemma4", "qwen2_5_vl"):  # copies: a link out of the folder is refused
+        shutil.copytree(build_model(family, "micro"), folder / family)
+    (folder / "notes").mkdir()
+    (folder / "notes" / "README.md").write_text("not a model")
+    server = start_server(["--model-dir", str(folder)], tmp_path / "server.log")
+    options = lambda: {o.get_attribute("value"): o for o in browser.find_elements(By.CSS_SELECTOR, "#model option")}  # noqa: E731
+    listed = lambda: {m["id"]: m["status"] for m in httpx.get(server.url + "/v1/models").json()["data"]}  # noqa: E731
+    try:
+        browser.get(server.url + "/")
+        _wait(lambda: browser.find_element(By.ID, "status").text, what="the model list")
+        assert [o.text for o in options().values()] == ["gemma4 (available)", "notes (unavailable)",
+                                                        "qwen2_5_vl (available)"]
+        assert browser.find_element(By.ID, "status").text == "2 available, 1 unavailable"
+        assert not options()["notes"].is_enabled() and "no config.json" in options()["notes"].get_attribute("title")
+        assert options()["gemma4"].is_enabled() and options()["qwen2_5_vl"].is_enabled()
+
+        Select(browser.find_element(By.ID, "model")).select_by_value("qwen2_5_vl")
+        _wait(lambda: re.fullmatch(r"qwen2_5_vl loaded in \d+\.\d s", browser.find_element(By.ID, "status").text),
+              what="the load")
+        assert listed() == {"gemma4": "available", "notes": "unavailable", "qwen2_5_vl": "loaded"}
+        _wait(lambda: options()["qwen2_5_vl"].text == "qwen2_5_vl (loaded)", timeout=10, what="the new status")
+
+        _set(browser, "temperature", "0")
+        _set(browser, "max-tokens", "8")
+        _ask(browser, "Hello?")
+        usage = _wait(lambda: browser.find_element(By.ID, "usage").text, what="the usage line")
+        assert re.search(r"completion [1-8] tokens", usage), usage
+        assert not browser.find_elements(By.CSS_SELECTOR, "#chat li.error"), _answer(browser)
+        assert listed()["gemma4"] == "available"
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "playground-model-dir.png"))
+    finally:
+        server.stop()
+
+
 def test_nothing_is_fetched_from_elsewhere(demo_server):
     page = httpx.get(demo_server.url + "/").text
     assert "http://" not in page and "https://" not in page

@@ -1,4 +1,5 @@
 // The vlmserve playground: chat with a served model about pictures, streamed, from this server's own API.
+// Every model the server lists is shown with its status; choosing one that is not loaded loads it.
 // No build step and nothing fetched from elsewhere. The API key, when the server wants one, is asked
 // for once and kept in this tab's sessionStorage.
 
@@ -19,9 +20,16 @@ const WEATHER_TOOL = {
   },
 };
 
+const REFRESH_MS = 5000;      // how often the models' statuses are read again while the page is visible
+const STATUSES = ["loaded", "loading", "available", "unavailable", "failed"];  // as /v1/models says them
+const UNUSABLE = ["unavailable", "failed"];  // listed, with the reason as the option's title, not chosen
+
 const history = [];          // OpenAI chat messages sent so far
 let attached = [];           // data URLs of the images for the next message
 let running = null;          // the AbortController of the request in flight
+let models = [];             // the models as /v1/models last listed them
+let newestList = 0;          // the newest /v1/models asked for: an older answer that comes after it is not drawn
+let refreshing = null;       // the interval that keeps the statuses fresh, once the list could be read
 
 function headers() {
   const key = sessionStorage.getItem("vlmserve-api-key");
@@ -32,21 +40,96 @@ function headers() {
 
 function status(text) { $("status").textContent = text; }
 
-async function loadModels() {
+// -- models: listed with their status, loaded when chosen ----------------------------------
+
+// The server's models, drawn into the list; null where the server wants an API key this tab lacks.
+async function listModels() {
+  const asked = ++newestList;
   const response = await fetch("/v1/models", { headers: headers() });
-  if (response.status === 401) {
+  if (response.status === 401) return null;
+  if (!response.ok) throw new Error(`HTTP ${response.status}`);
+  const list = (await response.json()).data;
+  if (asked === newestList) showModels(list);
+  return list;
+}
+
+async function loadModels() {
+  const list = await listModels();
+  if (list === null) {
     $("key-form").hidden = false;
     $("api-key").focus();
     status("This server needs an API key.");
     return false;
   }
-  const body = await response.json();
-  const select = $("model");
-  select.replaceChildren(...body.data.map((m) => new Option(m.id, m.id)));
   $("key-form").hidden = true;
-  status(`${body.data.length} model(s) ready`);
+  status(summary(list));
+  refreshing ??= setInterval(refresh, REFRESH_MS);
   return true;
 }
+
+// "2 loaded, 3 available": the models counted by status.
+function summary(list) {
+  const counts = STATUSES.map((name) => [name, list.filter((m) => m.status === name).length]);
+  return counts.filter(([, n]) => n).map(([name, n]) => `${n} ${name}`).join(", ") || "This server lists no models.";
+}
+
+// The options are kept (updated in place) while the same models are listed, so an open list is not reset.
+function showModels(list) {
+  models = list;
+  const select = $("model");
+  const same = list.length === select.options.length && list.every((m, i) => select.options[i].value === m.id);
+  const chosen = select.value;
+  if (!same) select.replaceChildren(...list.map((m) => new Option(m.id, m.id)));
+  list.forEach((m, i) => describe(select.options[i], m));
+  if (!same) select.value = pick(list, chosen);
+}
+
+function describe(option, model) {
+  option.textContent = `${model.id} (${model.status})`;
+  option.disabled = UNUSABLE.includes(model.status);
+  option.title = model.reason || "";
+}
+
+// The model chosen before if it can still be, else the first loaded one, else the first that can load.
+function pick(list, chosen) {
+  const usable = list.filter((m) => !UNUSABLE.includes(m.status));
+  const model = usable.find((m) => m.id === chosen) || usable.find((m) => m.status === "loaded") || usable[0];
+  return model ? model.id : "";
+}
+
+async function refresh() {
+  if (document.hidden) return;
+  try {
+    await listModels();
+  } catch { /* the server is away for now: the next refresh tries again */ }
+}
+
+// A chat to a model that is still loading waits for it on the server; the load is asked for here so
+// that its progress shows.
+async function load(id) {
+  status(`loading ${id}…`);
+  describe($("model").selectedOptions[0], { id, status: "loading" });
+  const started = performance.now();
+  try {
+    const response = await fetch("/v1/models/load", {
+      method: "POST", headers: headers(), body: JSON.stringify({ model: id }),
+    });
+    if (!response.ok) {
+      const error = await response.json().catch(() => ({}));
+      throw new Error(error.error?.message || `${id} did not load: HTTP ${response.status}`);
+    }
+    status(`${id} loaded in ${((performance.now() - started) / 1000).toFixed(1)} s`);
+  } catch (error) {
+    status(error instanceof TypeError ? `Cannot reach the server: ${error.message}` : error.message);
+  }
+  await listModels().catch(() => {});
+}
+
+$("model").addEventListener("change", () => {
+  const model = models.find((m) => m.id === $("model").value);
+  if (model && model.status !== "loaded") load(model.id);
+});
+document.addEventListener("visibilitychange", () => { if (refreshing !== null) refresh(); });
 
 $("key-form").addEventListener("submit", async (event) => {
   event.preventDefault();
