@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     serving = args.func is _serve_command
     args.log_level = args.log_level or (field_default(ServeConfig, "log_level") if serving else LOG_LEVEL)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=LOG_FORMAT)
-    return args.func(args)
+    return int(args.func(args))
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -461,7 +461,7 @@ def _stream_caption(worker: Any, loaded: Any, image: Any, config: CaptionConfig)
     return 0
 
 
-def _generate_into(worker: Any, loaded: Any, prompt: Any, params: Any, out: queue.SimpleQueue) -> None:
+def _generate_into(worker: Any, loaded: Any, prompt: Any, params: Any, out: queue.SimpleQueue[Any]) -> None:
     from vlmserve.engine.generate import generate_tokens
     from vlmserve.engine.runner import ModelRunner
 
@@ -475,7 +475,7 @@ def _generate_into(worker: Any, loaded: Any, prompt: Any, params: Any, out: queu
         out.put(_Done())
 
 
-def _wait_with_spinner(future: Future, label: str) -> Any:
+def _wait_with_spinner(future: Future[Any], label: str) -> Any:
     from vlmserve.progress import progress
 
     with progress(desc=label, file=sys.stderr, bar_format="{desc} {elapsed}", leave=False) as bar:

@@ -8,6 +8,7 @@ time held its connection for as long as it liked (slowloris; 200 such sockets we
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -34,7 +35,7 @@ def guarded_protocol(header_timeout_s: float) -> type[H11Protocol]:
 
         def _overdue(self) -> None:
             self._deadline = None
-            if self.cycle is None and not self.transport.is_closing():
+            if cast(object, self.cycle) is None and not self.transport.is_closing():  # None until a request begins
                 self.transport.close()
 
     return GuardedH11Protocol

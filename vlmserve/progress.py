@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
-from typing import Any, Protocol, TextIO
+from typing import Any, Protocol, TextIO, cast
 
 EVERY_S = 30.0  # off a terminal, at most this long between lines (unless a quarter is passed)
 STEPS = 4  # and a line at each quarter of a known total
@@ -42,7 +42,7 @@ def progress(iterable: Iterable[Any] | None = None, *, desc: str = "", total: fl
     if is_tty(file):
         from tqdm import tqdm
 
-        return tqdm(iterable, desc=desc, total=total, unit=unit, file=file, **bar)
+        return cast(Progress, tqdm(iterable, desc=desc, total=total, unit=unit, file=file, **bar))
     return LineProgress(iterable, desc=desc, total=total, unit=unit, file=file, every_s=every_s)
 
 
@@ -114,7 +114,7 @@ class LineProgress:
     def _maybe_say(self) -> None:
         now = self.clock()
         quarter = int(STEPS * self.n / self.total) if self.total else 0
-        passed = quarter > self._quarter and self.n < self.total  # the last quarter is close()'s line
+        passed = self.total is not None and quarter > self._quarter and self.n < self.total  # the last: close()'s
         if passed or now - self._last >= self.every_s:
             self._quarter = max(quarter, self._quarter)
             self._say(f"{self._count()}, {_duration(now - self.start)}")
