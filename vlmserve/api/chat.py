@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
-import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -20,6 +18,7 @@ from vlmserve.api.messages import ChatInput, guide_spec, to_chat_input, to_sampl
 from vlmserve.api.openai_format import ChoiceBuilder, choices_usage
 from vlmserve.api.schemas import ChatCompletionRequest, SamplingFields
 from vlmserve.api.state import ServedModel, ServerState
+from vlmserve.api.timing import Timing
 from vlmserve.engine.params import PromptInputs, SamplingParams
 from vlmserve.frontend.async_engine import (
     AsyncEngine,
@@ -36,8 +35,6 @@ from vlmserve.preprocess.images import ImageError
 from vlmserve.preprocess.media import MediaPolicy, load_image_source, load_video_source
 from vlmserve.preprocess.prompt import PromptBuilder, PromptError
 from vlmserve.preprocess.video import VideoError, VideoSampling
-
-log = logging.getLogger("vlmserve.requests")
 
 
 def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str,
@@ -89,10 +86,8 @@ class Call:
     served: ServedModel
     req: ChatCompletionRequest
     builder: ChoiceBuilder
-    start: float
-    ttft: float | None = None
+    timing: Timing
     finish: str = "error"
-    last_token: float = 0.0
     forks: list[Fork] = field(default_factory=list)  # choices 1..n-1
 
     @property
@@ -105,23 +100,10 @@ class Call:
             await fork.stream.aclose()
 
     def observe(self, out: RequestOutput) -> None:
-        if not out.token_ids:
-            return
-        now = time.perf_counter()
-        if self.ttft is None:
-            self.ttft = now - self.start
-        else:
-            self.state.metrics.tokens_arrived(self.served.name, now - self.last_token, len(out.token_ids))
-        self.last_token = now
+        self.timing.observe(out)
 
     def done(self, status: str, detail: str = "") -> None:
-        latency = time.perf_counter() - self.start
-        usage = self.usage
-        self.state.metrics.finished(self.served.name, status, self.ttft, latency, usage)
-        ttft = f"{self.ttft:.3f}s" if self.ttft is not None else "-"
-        log.info("%s model=%s prompt=%s completion=%s ttft=%s total=%.3fs finish=%s%s", self.builder.id,
-                 self.served.name, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), ttft, latency,
-                 status, detail)
+        self.timing.record(status, self.usage, detail)
 
 
 async def create_chat_completion(req: ChatCompletionRequest, http: Request, state: ServerState) -> Any:
@@ -194,7 +176,7 @@ async def _open(req: ChatCompletionRequest, http: Request, state: ServerState, r
         except (GuideError, ValueError) as exc:
             raise bad_request(f"{wanted[1]}: {exc}", wanted[1], "invalid_grammar") from None
     builder = ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools, opens_reasoning)
-    call = Call(state, served, req, builder, time.perf_counter())
+    call = Call(state, served, req, builder, Timing(state.metrics, served.name, request_id))
     forks = [(f"{request_id}-{i}", fork_params(params, i)) for i in range(1, choice_count(req.n, engine.config.max_batch_size))]
     stream = engine.generate(request_id, prompt_factory(chat, state.media, request_id), params, forks)
     call.forks = [Fork(ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools,

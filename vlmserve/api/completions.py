@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -49,12 +48,12 @@ from vlmserve.api.messages import sampling_params
 from vlmserve.api.openai_format import PREDICTION_USAGE
 from vlmserve.api.schemas import SamplingFields
 from vlmserve.api.state import ServedModel, ServerState
+from vlmserve.api.timing import Timing
 from vlmserve.engine.params import PromptInputs, SamplingParams
 from vlmserve.frontend.output import RequestOutput
 from vlmserve.frontend.token_bytes import token_text_and_bytes
 from vlmserve.preprocess.prompt import PromptBuilder
 
-log = logging.getLogger("vlmserve.requests")
 MAX_PROMPTS = 256  # prompts in one request
 
 
@@ -91,23 +90,28 @@ async def create_completion(req: CompletionRequest, http: Request, state: Server
                        "shutting_down")
     _refuse_unsupported(req)
     served = await state.acquire(req.model)  # held until every prompt ran: they may go one group at a time
+    timing = Timing(state.metrics, served.name, f"cmpl-{uuid.uuid4().hex}")
     streams = False
     try:
-        response = await _complete(req, http, state, served)
-        streams = isinstance(response, StreamingResponse)  # it releases the model as it ends
+        response = await _complete(req, http, state, served, timing)
+        streams = isinstance(response, StreamingResponse)  # it releases the model (and records) as it ends
         return response
+    except APIError as exc:
+        timing.record(f"error_{exc.status}", {}, f" code={exc.code or '-'}: {exc.message[:200]}")
+        raise
     finally:
         if not streams:
             state.release(served)
 
 
-async def _complete(req: CompletionRequest, http: Request, state: ServerState, served: ServedModel) -> Any:
+async def _complete(req: CompletionRequest, http: Request, state: ServerState, served: ServedModel,
+                    timing: Timing) -> Any:
     """``create_completion`` with the model loaded and leased."""
     engine = served.engine
     vocab = len(engine.tokenizer) if engine.tokenizer is not None else 0
     prompts = await _prompt_ids(req, served, vocab)
     params = await predicted(_params(req, state, vocab), req, engine)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = timing.request_id
     texts = await asyncio.gather(*(engine.on_pool(partial(PromptBuilder.detokenize, token_ids=ids)) for ids in prompts)) \
         if req.echo else [""] * len(prompts)
     # echo: the text starts with the prompt's; max_tokens 0 (with echo): the prompt alone, no generation
@@ -118,12 +122,12 @@ async def _complete(req: CompletionRequest, http: Request, state: ServerState, s
     generate = req.max_tokens != 0 or params.prompt_logprobs is not None
     for choice in choices if req.max_tokens == 0 else ():
         choice.finish_reason = "length"
-    created, start = int(time.time()), time.perf_counter()
+    created = int(time.time())
     if req.stream:
-        stream = _stream(request_id, created, served, choices, params if generate else None, req, state, start)
+        stream = _stream(created, served, choices, params if generate else None, req, timing)
         return StreamingResponse(state.holding(served, stream), media_type="text/event-stream", headers=SSE_HEADERS)
     if generate:
-        work = asyncio.ensure_future(_run_all(request_id, served, choices, params, state, None))
+        work = asyncio.ensure_future(_run_all(timing, served, choices, params, None))
         gone = asyncio.ensure_future(disconnected(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -133,10 +137,10 @@ async def _complete(req: CompletionRequest, http: Request, state: ServerState, s
                     task.cancel()  # a client that left: every prompt is aborted in the engine
             await asyncio.gather(work, gone, return_exceptions=True)
         if not work.done() or work.cancelled():
-            _log(request_id, served, choices, start, "disconnected")
+            _record(timing, choices, "disconnected")
             return JSONResponse({}, status_code=499)
         work.result()
-    _log(request_id, served, choices, start, "ok")
+    _record(timing, choices, choices[0].finish_reason or "stop")
     return JSONResponse(_body(request_id, created, served.name, choices, req, usage=True))
 
 
@@ -196,11 +200,11 @@ def _params(req: CompletionRequest, state: ServerState, vocab: int) -> SamplingP
     return params
 
 
-async def _run_all(request_id: str, served: ServedModel, choices: list[Choice], params: SamplingParams,
-                   state: ServerState, updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None,
-                   ) -> None:
+async def _run_all(timing: Timing, served: ServedModel, choices: list[Choice], params: SamplingParams,
+                   updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None) -> None:
     """Every prompt through the engine (with its further choices, n > 1), as many at once as the batch
-    takes; the first error ends all."""
+    takes; the first error ends all. Each output's tokens go to ``timing`` (the gaps between them only
+    where there is one choice: several would interleave)."""
     groups: list[list[Choice]] = []
     for choice in choices:
         if choice.fork:
@@ -209,10 +213,11 @@ async def _run_all(request_id: str, served: ServedModel, choices: list[Choice], 
             groups.append([choice])
     room = asyncio.Semaphore(max(1, served.engine.config.max_batch_size // len(groups[0])))
     tokenizer = served.engine.tokenizer
+    observe = partial(timing.observe, gaps=len(choices) == 1)
 
     async def one(group: list[Choice]) -> None:
         async with room:
-            await _run_group(f"{request_id}-{group[0].index}", served, group, params, tokenizer, updates)
+            await _run_group(f"{timing.request_id}-{group[0].index}", served, group, params, tokenizer, updates, observe)
 
     tasks = [asyncio.ensure_future(one(g)) for g in groups]
     try:
@@ -224,7 +229,8 @@ async def _run_all(request_id: str, served: ServedModel, choices: list[Choice], 
 
 
 async def _run_group(request_id: str, served: ServedModel, group: list[Choice], params: SamplingParams,
-                     tokenizer: Any, updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None) -> None:
+                     tokenizer: Any, updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None,
+                     observe: Callable[[RequestOutput], None]) -> None:
     """One prompt's choices: the first is the request, the others its forks, read once it has begun."""
     engine = served.engine
     forks = [(f"{request_id}-{j}", fork_params(params, j)) for j in range(1, len(group))]
@@ -233,19 +239,21 @@ async def _run_group(request_id: str, served: ServedModel, group: list[Choice], 
 
     async def fork(choice: Choice, fork_id: str, sampling: SamplingParams) -> None:
         await begun.wait()  # its outputs exist once the prompt reached the engine
-        await _run_one(fork_id, choice, engine.follow(fork_id, sampling), sampling, tokenizer, updates, ())
+        await _run_one(fork_id, choice, engine.follow(fork_id, sampling), sampling, tokenizer, updates, observe, ())
 
-    await asyncio.gather(_run_one(request_id, group[0], stream, params, tokenizer, updates, group[1:], begun),
+    await asyncio.gather(_run_one(request_id, group[0], stream, params, tokenizer, updates, observe, group[1:], begun),
                          *(fork(c, fid, p) for c, (fid, p) in zip(group[1:], forks)))
 
 
 async def _run_one(request_id: str, choice: Choice, stream: AsyncGenerator[RequestOutput, None],
                    params: SamplingParams, tokenizer: Any,
                    updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None,
-                   forks: list[Choice] | tuple[()], begun: asyncio.Event | None = None) -> None:
+                   observe: Callable[[RequestOutput], None], forks: list[Choice] | tuple[()],
+                   begun: asyncio.Event | None = None) -> None:
     """One choice's outputs; the prompt's logprobs (with its first) go to its forks too."""
     try:
         async for out in _checked(stream, request_id):
+            observe(out)
             if begun is not None:
                 begun.set()
             if out.prompt_logprobs is not None:
@@ -283,10 +291,8 @@ async def _checked(stream: AsyncIterator[RequestOutput], request_id: str) -> Asy
         raise refusal(exc, "prompt") from None
 
 
-def _log(request_id: str, served: ServedModel, choices: list[Choice], start: float, status: str) -> None:
-    usage = _usage(choices)
-    log.info("%s model=%s prompts=%d prompt=%d completion=%d total=%.3fs finish=%s", request_id, served.name,
-             len(choices), usage["prompt_tokens"], usage["completion_tokens"], time.perf_counter() - start, status)
+def _record(timing: Timing, choices: list[Choice], status: str) -> None:
+    timing.record(status, _usage(choices), what=f"prompts={len(choices)} ")
 
 
 def _prompt_logprobs(choice: Choice, scored: tuple[Any, ...], tokenizer: Any) -> dict[str, Any]:
@@ -358,21 +364,21 @@ def _usage(choices: list[Choice]) -> dict[str, Any]:
             "completion_tokens_details": details}
 
 
-async def _stream(request_id: str, created: int, served: ServedModel, choices: list[Choice],
-                  params: SamplingParams | None, req: CompletionRequest, state: ServerState,
-                  start: float) -> AsyncIterator[str]:
+async def _stream(created: int, served: ServedModel, choices: list[Choice], params: SamplingParams | None,
+                  req: CompletionRequest, timing: Timing) -> AsyncIterator[str]:
     """SSE: a chunk per choice per step, a last chunk with usage when asked, then [DONE]; an error
     after the stream began is an error event, then [DONE]."""
     updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] = asyncio.Queue()
-    head = {"id": request_id, "object": "text_completion", "created": created, "model": served.name}
+    head = {"id": timing.request_id, "object": "text_completion", "created": created, "model": served.name}
     if req.echo and req.logprobs is None:  # with logprobs, the prompt comes with its own when known
         for choice in choices:
             yield sse_event({**head, "choices": [{"index": choice.index, "text": choice.prompt_text,
                                                   "logprobs": None, "finish_reason": choice.finish_reason}]})
     if params is None:
+        _record(timing, choices, "length")
         yield "data: [DONE]\n\n"
         return
-    runner = asyncio.ensure_future(_run_all(request_id, served, choices, params, state, updates))
+    runner = asyncio.ensure_future(_run_all(timing, served, choices, params, updates))
     status = "disconnected"
     try:
         while not (runner.done() and updates.empty()):
@@ -387,12 +393,12 @@ async def _stream(request_id: str, created: int, served: ServedModel, choices: l
         runner.result()  # its error, if any
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse_event({**head, "choices": [], "usage": _usage(choices)})
-        status = "ok"
+        status = choices[0].finish_reason or "stop"
     except APIError as exc:
         status = f"error_{exc.status}"
         yield sse_event({"error": exc.body()["error"]})
     finally:
-        _log(request_id, served, choices, start, status)
+        _record(timing, choices, status)
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
     yield "data: [DONE]\n\n"
