@@ -1,4 +1,5 @@
-"""[worker] The engine's two caches in one place: the text prefix cache (KV) and the vision cache.
+"""[worker] The engine's caches in one place: the text prefix cache (KV), the vision cache and the image-keyed
+prefix cache; and ``cache_policy``, the one place that decides which of them a model's engine keeps.
 
 The scheduler asks them what is cached (a reused prefix at admission, which images still need the
 tower) and so decides each step's work; the runner reads and fills them as it executes the plan.
@@ -15,11 +16,44 @@ each under its own marker, and look there when memory holds less of a prompt tha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from vlmserve.engine.engine_config import EngineConfig
+from vlmserve.engine.models import ModelAdapter
 from vlmserve.engine.params import PromptInputs, pixel_count, prefix_key
 from vlmserve.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from vlmserve.engine.vision_cache import VisionCache, VisionCacheStats
+
+
+@dataclass(slots=True, frozen=True)
+class CachePolicy:
+    """Which caches one model's engine keeps, and why each one asked for is not kept."""
+
+    prefix: bool  # text prompts' KV (--no-prefix-cache turns it off)
+    vision: bool  # images' features, across requests (--vision-cache-mb 0 turns it off)
+    mm_prefix: bool  # image prompts' KV, keyed by their images' content (--mm-prefix-cache turns it on)
+    stems: bool  # phase 1 marks where a prompt's snapshot is taken: the family's cache cannot be cut back
+    off: tuple[str, ...] = ()  # why a cache asked for is off, one sentence each (said at start-up)
+
+
+def cache_policy(config: EngineConfig, adapter: ModelAdapter) -> CachePolicy:
+    """The one decision of which caches an engine keeps: the config asks, the family and the mode allow."""
+    off = []
+    apart = config.pipeline  # the other ranks cannot look up a prefix rank 0 cached (engine/pipeline.py)
+    if apart and (config.prefix_cache or config.mm_prefix_cache):
+        off.append("the prefix caches are off across pipeline ranks: the other ranks could not look up what rank 0 "
+                   "cached")
+    vision = adapter.vision_cache and config.vision_cache_bytes > 0
+    if config.vision_cache_bytes > 0 and not adapter.vision_cache:
+        off.append("the vision cache is off for this family: its tower encodes a prompt's images together, not one "
+                   "image alone")
+    mm_prefix = config.mm_prefix_cache and adapter.mm_prefix_exact and not apart
+    if config.mm_prefix_cache and not adapter.mm_prefix_exact:
+        off.append("--mm-prefix-cache is off for this family: reusing an image prompt's cached prefix is not proven "
+                   "exact here")
+    prefix = config.prefix_cache and not apart
+    return CachePolicy(prefix, vision, mm_prefix, not adapter.trims_cache and (prefix or mm_prefix), tuple(off))
 
 
 class EngineCaches:

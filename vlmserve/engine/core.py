@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from vlmserve.engine.caches import EngineCaches
+from vlmserve.engine.caches import CachePolicy, EngineCaches, cache_policy
 from vlmserve.engine.costs import FLOOR_TOKENS, StepCosts, measure_costs
 from vlmserve.engine.disk_store import DiskStore
 from vlmserve.engine.disk_tier import IMAGES, TEXT, DiskTier, identity, model_folder
@@ -72,10 +72,11 @@ def scheduler_config(adapter: ModelAdapter, config: EngineConfig) -> SchedulerCo
                            config.speculative if verifies else None, verifies, holds_rows=config.join_gate and not config.pipeline)
 
 
-def disk_tier(loaded: LoadedModel, config: EngineConfig, prefill_s: Callable[[], float]) -> DiskTier | None:
-    """The prefix stores' disk tier where ``--prefix-cache-dir`` asks for one (it locks the directory) and a
-    prefix store is on (not across pipeline ranks, which keep none)."""
-    if config.prefix_cache_dir is None or not (config.prefix_cache or config.mm_prefix_cache):
+def disk_tier(loaded: LoadedModel, config: EngineConfig, policy: CachePolicy,
+              prefill_s: Callable[[], float]) -> DiskTier | None:
+    """The prefix stores' disk tier where ``--prefix-cache-dir`` asks for one (it locks the directory) and the
+    policy keeps a prefix store."""
+    if config.prefix_cache_dir is None or not (policy.prefix or policy.mm_prefix):
         return None
     quant = loaded.adapter.kv_quant
     kv = f"{quant.bits}-{quant.group_size}-{quant.start}" if quant is not None else "full"
@@ -108,7 +109,8 @@ class EngineCore:
         self.config = config
         self.kv = KVBudget(config.kv_cache_bytes)
         self.caches = EngineCaches(None, None)
-        self.tier = disk_tier(loaded, config, lambda: self.costs.prompt_token_s)  # kept across reset_caches
+        self.policy = cache_policy(config, loaded.adapter)  # which caches this engine keeps
+        self.tier = disk_tier(loaded, config, self.policy, lambda: self.costs.prompt_token_s)  # kept across reset_caches
         self._new_caches()
         self.scheduler = Scheduler(scheduler_config(loaded.adapter, config), self.kv, self.caches)
         self.runner: Runner = runner if runner is not None else runner_for(loaded, self.caches)
@@ -120,16 +122,13 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
 
     def _new_caches(self) -> None:
-        config = self.config
+        config, policy = self.config, self.policy
         tier = self.tier
-        prefix = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes, tier, TEXT) \
-            if config.prefix_cache else None
-        keeps = self.loaded.adapter.vision_cache and config.vision_cache_bytes > 0
+        prefix = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes, tier, TEXT) if policy.prefix else None
         self.caches.prefix = prefix
-        self.caches.vision = VisionCache(config.vision_cache_bytes) if keeps else None
-        exact = config.mm_prefix_cache and self.loaded.adapter.mm_prefix_exact
+        self.caches.vision = VisionCache(config.vision_cache_bytes) if policy.vision else None
         self.caches.mm_prefix = PrefixCache(config.prefix_cache_entries, config.mm_prefix_cache_bytes, tier, IMAGES) \
-            if exact else None
+            if policy.mm_prefix else None
         self.caches.media_ids = self.loaded.adapter.media_token_ids()
         self.caches.mm_limit = self.loaded.adapter.mm_prefix_limit
 

@@ -72,8 +72,8 @@ class ModelRunner:
         self.adapter = loaded.adapter
         self.drafter = loaded.drafter  # speculative decoding's drafter model (engine/drafter.py), or None
         self.caches = caches if caches is not None else EngineCaches(None, None)
-        if not self.adapter.vision_cache:  # only where one image's features can be computed alone
-            self.caches.vision = None
+        # only where one image's features can be computed alone (the engine's cache_policy keeps none elsewhere)
+        assert self.caches.vision is None or self.adapter.vision_cache, "this family's images are encoded together"
         self.prompts: dict[str, PromptRow] = {}  # the prefill batch, by request
         self.batch = DecodeBatch()
         self.held: dict[str, Callable[[], None]] = {}  # prefilled rows kept out of the batch: their join
