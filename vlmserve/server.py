@@ -164,8 +164,10 @@ def serve_rank(config: ServeConfig) -> int:
 
 def _follow(config: ServeConfig, rank: int) -> int:
     """A rank other than 0: load its slice on its MLX worker, then run rank 0's steps until it says stop."""
-    from vlmserve.engine.loader import ModelLoadError, configure_process
-    from vlmserve.engine.pipeline import load_stage
+    import dataclasses
+
+    from vlmserve.engine.assembly import load_for_serving
+    from vlmserve.engine.loader import ModelLoadError
     from vlmserve.engine.pipeline_runner import FollowerRunner
     from vlmserve.engine.worker import MLXWorkerThread
 
@@ -173,10 +175,10 @@ def _follow(config: ServeConfig, rank: int) -> int:
     worker = MLXWorkerThread(name=f"mlx-rank{rank}")
     worker.start()
 
-    def load() -> FollowerRunner:
-        configure_process()
-        loaded, stage = load_stage(path, name, config.engine.dtype, config.engine.trust_remote_code)
-        return FollowerRunner(loaded, stage)
+    def load() -> FollowerRunner:  # as rank 0 loads its own slice (AsyncEngine)
+        assembled = load_for_serving(path, name, dataclasses.replace(config.engine, pipeline=True))
+        assert assembled.stage is not None
+        return FollowerRunner(assembled.loaded, assembled.stage)
 
     try:
         runner = worker.call(load)

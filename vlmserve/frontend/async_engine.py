@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import dataclasses
 import itertools
 import logging
 import math
@@ -21,15 +20,15 @@ from typing import Any, TypeVar
 
 from PIL import Image
 
-from vlmserve.engine.caches import EngineCaches
+from vlmserve.engine.assembly import load_for_serving
+from vlmserve.engine.caches import EngineCaches, cache_policy
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.engine_config import EngineConfig
-from vlmserve.engine.kv_quant import kv_quant_for
-from vlmserve.engine.loader import LoadedModel, ModelLoadError, configure_process, load_drafter, load_model
+from vlmserve.engine.loader import LoadedModel, ModelLoadError
 from vlmserve.engine.memory import KVBudget
 from vlmserve.engine.models import SUPPORTED_FAMILIES
 from vlmserve.engine.params import Guide, PromptInputs, SamplingParams
-from vlmserve.engine.pipeline import Stage, load_stage
+from vlmserve.engine.pipeline import Stage
 from vlmserve.engine.pipeline_runner import LeaderRunner, Watch
 from vlmserve.engine.request import AbortRequest, AddRequest, EngineMetrics, StepOutput, StepOutputs
 from vlmserve.engine.runner import ModelRunner
@@ -92,8 +91,6 @@ class AsyncEngine:
                  pool: ThreadPoolExecutor | None = None, image_pool: ThreadPoolExecutor | None = None) -> None:
         self.model_spec = model
         self.name = name or model
-        if config.pipeline:  # the other ranks cannot look up a prefix rank 0 cached (engine/pipeline.py)
-            config = dataclasses.replace(config, prefix_cache=False, mm_prefix_cache=False)
         self.config = config
         self._pool = pool or ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="preprocess")
         self._image_pool = image_pool or ThreadPoolExecutor(max_workers=config.image_threads,
@@ -179,10 +176,8 @@ class AsyncEngine:
             disk = self.core.tier.stats()
             log.info("model %s: prefix caches spill to %s (%d files, %.1f MB found; at most %.1f GB)", self.name,
                      self.config.prefix_cache_dir, disk.entries, disk.bytes / 1e6, self.config.prefix_cache_disk_bytes / 2**30)
-        if self.config.mm_prefix_cache and not self.loaded.adapter.mm_prefix_exact:
-            log.info("model %s (%s): --mm-prefix-cache is off for this family: reusing an image prompt's cached "
-                     "prefix is not proven exact here", self.name,
-                     self.loaded.model_type)
+        for why in self.core.policy.off if self.core is not None else ():
+            log.info("model %s (%s): %s", self.name, self.loaded.model_type, why)
 
     def _log_speculation(self) -> None:
         """Say whether drafts are verified here, and why not where they are not."""
@@ -203,22 +198,9 @@ class AsyncEngine:
 
     def _load(self) -> LoadedModel:
         self.worker.assert_on_worker()
-        configure_process()
-        if self.config.pipeline:
-            loaded, self.stage = load_stage(self.model_spec, self.name, self.config.dtype, self.config.trust_remote_code)
-        else:
-            loaded = load_model(self.model_spec, self.name, self.config.dtype, self.config.trust_remote_code)
-        spec = self.config.speculative
-        if spec is not None and spec.drafter:
-            loaded.drafter = load_drafter(spec, loaded, self.config.pipeline)
-        if self.config.max_model_len:
-            loaded.max_context = min(loaded.max_context, self.config.max_model_len)
-        config, adapter = self.config, loaded.adapter
-        reads_target = loaded.drafter is not None and not loaded.drafter.reads_prompt  # Gemma 4's assistant
-        adapter.kv_quant, self.kv_quant_off = kv_quant_for(adapter.make_cache(), config.kv_bits, config.kv_group_size,
-                                                           config.quantized_kv_start, adapter.packs_kv, reads_target,
-                                                           config.pipeline)
-        return loaded
+        assembled = load_for_serving(self.model_spec, self.name, self.config)
+        self.stage, self.kv_quant_off = assembled.stage, assembled.kv_quant_off
+        return assembled.loaded
 
     # -- across ranks ----------------------------------------------------------------------
 
@@ -257,10 +239,8 @@ class AsyncEngine:
         """What this model's prefix caches need of phase 1: snapshot points where its cache cannot be cut
         back, picture keys where the image-keyed cache is on and its images' arrays may not split."""
         assert self.loaded is not None
-        adapter, config = self.loaded.adapter, self.config
-        image_cache = config.mm_prefix_cache and adapter.mm_prefix_exact
-        return CacheHints(stems=not adapter.trims_cache and (config.prefix_cache or image_cache),
-                          picture_keys=image_cache)
+        policy = cache_policy(self.config, self.loaded.adapter)
+        return CacheHints(stems=policy.stems, picture_keys=policy.mm_prefix)
 
     @property
     def opens_reasoning(self) -> bool:
