@@ -112,6 +112,7 @@ async def stop_engines(state: ServerState, message: str) -> None:
 
 
 def _routes(app: FastAPI, state: ServerState) -> None:
+    """Every route: the playground and the probes here, then the models', the APIs' and the tokenizer's."""
     state.metrics.watch_engines(lambda: [(m.name, m.engine) for m in state.models])
     state.metrics.watch_models(lambda: list(state.models))
 
@@ -135,6 +136,17 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    _model_routes(app, state)
+    _api_routes(app, state)
+    _tokenizer_routes(app, state)
+
+
+def _model_routes(app: FastAPI, state: ServerState) -> None:
+    """``/v1/models``: the list with each model's status, one model, and loading and unloading by hand."""
     def card(served: ServedModel) -> dict[str, Any]:
         engine = served.engine
         limit = engine.loaded.max_context if engine.loaded is not None else None
@@ -173,6 +185,9 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def model(model_id: str) -> dict[str, Any]:
         return card(state.model(model_id))
 
+
+def _api_routes(app: FastAPI, state: ServerState) -> None:
+    """The APIs: OpenAI's chat completions, Responses and completions, Anthropic's Messages."""
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(body, request, state)
@@ -193,6 +208,9 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await create_completion(body, request, state)
 
+
+def _tokenizer_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's ``/tokenize``, ``/tokenizer_info`` and ``/detokenize``."""
     @app.post("/tokenize")
     async def tokenize_(body: TokenizeRequest) -> dict[str, Any]:
         return await tokenize(body, state)
@@ -204,10 +222,6 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize_(body: DetokenizeRequest) -> dict[str, str]:
         return await detokenize(body, state)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
 
 
 class ModelAction(BaseModel):

@@ -321,18 +321,7 @@ def load_stage(path_or_id: str, name: str | None, dtype: str, trust_remote_code:
     why = splittable(adapter)
     if why is not None:
         raise ModelLoadError(f"model {path_or_id!r} ({loaded.model_type}) cannot be split across ranks: {why}")
-    inner = text_model(adapter)
-    layer_bytes = [weight_bytes(layer.parameters()) for layer in inner.layers]  # shapes only: nothing is read
-    whole = weight_bytes(loaded.model.parameters())
-    # What each rank holds besides its layers: rank 0 the vision tower, embeddings and head; the rank
-    # with the first layers the token embeddings it embeds each step's tokens with
-    embeddings = [getattr(inner, name, None) for name in ("embed_tokens", "embed_tokens_per_layer")]
-    held = [0] * size
-    held[0] = whole - sum(layer_bytes)
-    held[-1] += sum(weight_bytes(e.parameters()) for e in embeddings if e is not None)
-    budgets = [info.free_bytes - held[r] for r, info in enumerate(infos)]
-    num_layers = len(layer_bytes)
-    first, last = split_layers(layer_bytes, budgets, adapter.layer_starts())[rank]
+    first, last, num_layers, whole = _my_layers(loaded, infos, rank)
     stage = Stage(rank, size, first, last, num_layers, bell)
     install(adapter, stage)
     if rank > 0:
@@ -343,6 +332,24 @@ def load_stage(path_or_id: str, name: str | None, dtype: str, trust_remote_code:
     log.info("pipeline %s (%s), weights %.1f MiB on this rank (the whole model: %.1f MiB), loaded in %.2f s",
              stage.describe(), loaded.model_type, weight_bytes(own) / 2**20, whole / 2**20, loaded.load_seconds)
     return loaded, stage
+
+
+def _my_layers(loaded: LoadedModel, infos: list[RankInfo], rank: int) -> tuple[int, int, int, int]:
+    """This rank's layers ``[first, last)`` of the text model's, their count and the whole model's bytes: the
+    layers split by each rank's free memory less what it holds besides its layers."""
+    adapter = loaded.adapter
+    inner = text_model(adapter)
+    layer_bytes = [weight_bytes(layer.parameters()) for layer in inner.layers]  # shapes only: nothing is read
+    whole = weight_bytes(loaded.model.parameters())
+    # What each rank holds besides its layers: rank 0 the vision tower, embeddings and head; the rank
+    # with the first layers the token embeddings it embeds each step's tokens with
+    embeddings = [getattr(inner, name, None) for name in ("embed_tokens", "embed_tokens_per_layer")]
+    held = [0] * len(infos)
+    held[0] = whole - sum(layer_bytes)
+    held[-1] += sum(weight_bytes(e.parameters()) for e in embeddings if e is not None)
+    budgets = [info.free_bytes - held[r] for r, info in enumerate(infos)]
+    first, last = split_layers(layer_bytes, budgets, adapter.layer_starts())[rank]
+    return first, last, len(layer_bytes), whole
 
 
 def _own_weights(model: nn.Module, adapter: ModelAdapter, rank: int) -> list[mx.array]:
