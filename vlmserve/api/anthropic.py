@@ -20,7 +20,7 @@ from fastapi import Request
 
 from vlmserve.api.anthropic_input import CountTokensRequest, MessagesRequest, to_chat_request
 from vlmserve.api.chat import Call, engine_fault, outputs, serve_call, sse_event
-from vlmserve.api.openai_format import Delta
+from vlmserve.api.openai_format import Delta, delta_events
 from vlmserve.api.state import ServerState
 from vlmserve.api.tokenize import chat_prompt_ids
 from vlmserve.frontend.output import RequestOutput
@@ -77,17 +77,20 @@ class _Blocks:
         self.open: str | None = None
 
     def feed(self, delta: Delta) -> list[str]:
-        events = self._text("thinking", delta.reasoning) if delta.reasoning else []
-        if delta.content:
-            events += self._text("text", delta.content)
-        for entry in delta.tool_calls:
-            function = entry.get("function", {})
-            if entry.get("id"):  # a new call: its name now, its input in later entries
-                events += self._start({"type": "tool_use", "id": entry["id"], "name": function.get("name", ""),
-                                       "input": {}})
-            if function.get("arguments"):
-                events.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
-        return events
+        return delta_events(delta, self)
+
+    # delta_events' sink (openai_format.DeltaEvents)
+    def reasoning(self, text: str) -> list[str]:
+        return self._text("thinking", text)
+
+    def content(self, text: str) -> list[str]:
+        return self._text("text", text)
+
+    def call_started(self, call_id: str, name: str) -> list[str]:  # its input comes in later deltas
+        return self._start({"type": "tool_use", "id": call_id, "name": name, "input": {}})
+
+    def arguments(self, text: str) -> list[str]:
+        return [self._delta({"type": "input_json_delta", "partial_json": text})]
 
     def close(self) -> list[str]:
         if self.open is None:

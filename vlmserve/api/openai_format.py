@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from vlmserve.frontend.output import RequestOutput
 from vlmserve.frontend.reasoning import ReasoningSplitter
@@ -22,6 +22,33 @@ class Delta:
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls or self.logprobs)
+
+
+class DeltaEvents(Protocol):
+    """An API's stream events for each part of a delta (Anthropic's content blocks, the Responses API's items)."""
+
+    def reasoning(self, text: str) -> list[str]: ...
+
+    def content(self, text: str) -> list[str]: ...
+
+    def call_started(self, call_id: str, name: str) -> list[str]: ...
+
+    def arguments(self, text: str) -> list[str]: ...
+
+
+def delta_events(delta: Delta, sink: DeltaEvents) -> list[str]:
+    """A step's delta as ``sink``'s events, in order: reasoning, content, then each tool call's start (its id
+    and name, in the entry that opens it) and its arguments as they come."""
+    events = sink.reasoning(delta.reasoning) if delta.reasoning else []
+    if delta.content:
+        events += sink.content(delta.content)
+    for entry in delta.tool_calls:
+        function = entry.get("function", {})
+        if entry.get("id"):
+            events += sink.call_started(entry["id"], function.get("name", ""))
+        if function.get("arguments"):
+            events += sink.arguments(function["arguments"])
+    return events
 
 
 class ChoiceBuilder:

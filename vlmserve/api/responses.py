@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import Request
 
 from vlmserve.api.chat import Call, Stream, engine_fault, outputs, serve_call, sse_event
+from vlmserve.api.openai_format import delta_events
 from vlmserve.api.responses_input import ResponsesRequest, to_chat_request
 from vlmserve.api.state import ServerState
 from vlmserve.frontend.output import RequestOutput
@@ -168,7 +169,7 @@ async def _events(call: Call, first: RequestOutput, stream: AsyncGenerator[Reque
     try:
         yield ev.event("response.created", response=shape.response(None, "in_progress", []))
         yield ev.event("response.in_progress", response=shape.response(None, "in_progress", []))
-        out = first
+        out, sink = first, _DeltaSink(ev)
         async for out in outputs(call, first, stream):
             if out.finish_reason == "error":
                 status = "error"
@@ -176,7 +177,7 @@ async def _events(call: Call, first: RequestOutput, stream: AsyncGenerator[Reque
                 yield ev.event("response.failed", response=shape.response(
                     call, "failed", ev.items, {"code": error.code or "server_error", "message": error.message}))
                 return
-            for chunk in _delta_events(ev, b.step(out)):
+            for chunk in delta_events(b.step(out), sink):
                 yield chunk
         for chunk in ev.close():
             yield chunk
@@ -188,15 +189,20 @@ async def _events(call: Call, first: RequestOutput, stream: AsyncGenerator[Reque
         await stream.aclose()
 
 
-def _delta_events(ev: _Events, delta: Any) -> list[str]:
-    events = ev.text("reasoning", delta.reasoning) if delta.reasoning else []
-    if delta.content:
-        events += ev.text("message", delta.content)
-    for entry in delta.tool_calls:
-        function = entry.get("function", {})
-        if entry.get("id"):  # a new call: its name now, its arguments in later entries
-            item = ev.shape.function_call(entry["id"], function.get("name", ""), "", "in_progress")
-            events += ev.start("function_call", item)
-        if function.get("arguments"):
-            events += ev.arguments(function["arguments"])
-    return events
+class _DeltaSink:
+    """delta_events' sink (openai_format.DeltaEvents) for the Responses API's items."""
+
+    def __init__(self, ev: _Events) -> None:
+        self.ev = ev
+
+    def reasoning(self, text: str) -> list[str]:
+        return self.ev.text("reasoning", text)
+
+    def content(self, text: str) -> list[str]:
+        return self.ev.text("message", text)
+
+    def call_started(self, call_id: str, name: str) -> list[str]:  # its arguments come in later deltas
+        return self.ev.start("function_call", self.ev.shape.function_call(call_id, name, "", "in_progress"))
+
+    def arguments(self, text: str) -> list[str]:
+        return self.ev.arguments(text)
