@@ -149,12 +149,13 @@ def _model_routes(app: FastAPI, state: ServerState) -> None:
     """``/v1/models``: the list with each model's status, one model, and loading and unloading by hand."""
     def card(served: ServedModel) -> dict[str, Any]:
         engine = served.engine
-        limit = engine.loaded.max_context if engine.loaded is not None else None
+        info = engine.info if engine.ready else None
+        limit = info.max_context if info is not None else None
         status = served.status
         extra = {"reason": served.problem or engine.dead_reason} if status in ("unavailable", "failed") else {}
         if status == "available" and served.last_error:
             extra["last_error"] = served.last_error  # its next request tries again
-        return {"id": served.name, "object": "model", "created": engine.created, "owned_by": "vlmserve",
+        return {"id": served.name, "object": "model", "created": info.created if info is not None else 0, "owned_by": "vlmserve",
                 "root": engine.model_spec, "parent": None, "max_model_len": limit, "status": status,
                 "pinned": served.pinned, **extra}
 

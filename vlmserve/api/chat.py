@@ -62,7 +62,7 @@ def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str,
 def chat_input(req: ChatCompletionRequest, state: ServerState, engine: AsyncEngine) -> ChatInput:
     """A chat request as phase 1 takes it, under the server's media policy; media the model cannot
     take is a 400 naming the model, before anything is fetched or decoded."""
-    chat = to_chat_input(req, state.media, state.config.default_chat_template_kwargs, engine.max_pixels)
+    chat = to_chat_input(req, state.media, state.config.default_chat_template_kwargs, engine.info.max_pixels)
     refused = engine.media_refusal(len(chat.image_urls), len(chat.video_urls))
     if refused is not None:
         raise bad_request(refused, "messages", "unsupported_media")
@@ -177,7 +177,7 @@ async def _open(req: ChatCompletionRequest, http: Request, state: ServerState, r
             raise bad_request(f"{wanted[1]}: {exc}", wanted[1], "invalid_grammar") from None
     builder = ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools, opens_reasoning)
     call = Call(state, served, req, builder, Timing(state.metrics, served.name, request_id))
-    forks = [(f"{request_id}-{i}", fork_params(params, i)) for i in range(1, choice_count(req.n, engine.config.max_batch_size))]
+    forks = [(f"{request_id}-{i}", fork_params(params, i)) for i in range(1, choice_count(req.n, engine.info.max_batch_size))]
     stream = engine.generate(request_id, prompt_factory(chat, state.media, request_id), params, forks)
     call.forks = [Fork(ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools,
                                      opens_reasoning, i), engine.follow(fork_id, p))

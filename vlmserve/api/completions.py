@@ -116,7 +116,7 @@ async def _complete(req: CompletionRequest, http: Request, state: ServerState, s
         if req.echo else [""] * len(prompts)
     # echo: the text starts with the prompt's; max_tokens 0 (with echo): the prompt alone, no generation
     # unless its logprobs are asked (then one token is generated for them, and dropped)
-    n = choice_count(req.n, engine.config.max_batch_size)
+    n = choice_count(req.n, engine.info.max_batch_size)
     choices = [Choice(i * n + j, ids, text, text, fork=j > 0) for i, (ids, text) in enumerate(zip(prompts, texts))
                for j in range(n)]
     generate = req.max_tokens != 0 or params.prompt_logprobs is not None
@@ -166,7 +166,7 @@ async def _prompt_ids(req: CompletionRequest, served: ServedModel, vocab: int) -
     if not items or len(items) > MAX_PROMPTS:
         raise bad_request(f"prompt: give 1 to {MAX_PROMPTS} prompts", "prompt", "invalid_value")
     engine = served.engine
-    media = engine.prompter.media_token_ids if engine.prompter is not None else frozenset()
+    media = engine.info.media_token_ids
     out = []
     for i, item in enumerate(items):
         where = "prompt" if len(items) == 1 else f"prompt.{i}"
@@ -211,7 +211,7 @@ async def _run_all(timing: Timing, served: ServedModel, choices: list[Choice], p
             groups[-1].append(choice)
         else:
             groups.append([choice])
-    room = asyncio.Semaphore(max(1, served.engine.config.max_batch_size // len(groups[0])))
+    room = asyncio.Semaphore(max(1, served.engine.info.max_batch_size // len(groups[0])))
     tokenizer = served.engine.tokenizer
     observe = partial(timing.observe, gaps=len(choices) == 1)
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from vlmserve.api.errors import APIError
+from vlmserve.api.errors import APIError, retry_after
 from vlmserve.api.metrics import ServerMetrics
 from vlmserve.config import ServeConfig
-from vlmserve.frontend.async_engine import AsyncEngine
+from vlmserve.frontend.async_engine import AsyncEngine, EngineNotReadyError
 from vlmserve.preprocess.media import MediaPolicy
 
 T = TypeVar("T")
@@ -112,6 +112,8 @@ class ServerState:
         try:
             if not served.pinned and self.registry is not None:
                 await self.registry.ensure_loaded(served)
+            if not served.engine.ready:
+                _not_ready(served.engine)
         except BaseException:
             self.release(served)
             raise
@@ -147,6 +149,14 @@ class ServerState:
         """Every pinned model serves (the on-demand ones load when asked), and there is a model to serve."""
         serves = bool(self.pinned) or self.registry is not None
         return serves and not self.draining and all(m.engine.ready for m in self.pinned)
+
+
+def _not_ready(engine: AsyncEngine) -> None:
+    """A model that cannot serve now (a pinned one loading, or dead): the 503 its requests get."""
+    try:
+        engine.check_ready()
+    except EngineNotReadyError as exc:
+        raise APIError(503, str(exc), "service_unavailable", None, "not_ready", retry_after(exc.retry_after_s)) from None
 
 
 def aliases_for(spec: str) -> tuple[str, ...]:

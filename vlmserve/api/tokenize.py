@@ -65,7 +65,7 @@ async def _tokenize(req: TokenizeRequest, state: ServerState, served: ServedMode
     except REFUSALS as exc:
         raise refusal(exc, "prompt") from None
     strs = await engine.on_pool(lambda p: p.token_strings(ids)) if req.return_token_strs else None
-    limit = engine.loaded.max_context if engine.loaded is not None else None
+    limit = engine.info.max_context
     return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}
 
 

@@ -72,6 +72,21 @@ class EngineNotReadyError(EngineError):
         self.retry_after_s = retry_after_s
 
 
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    """What the API reads of a model once it serves: fixed from then on (``AsyncEngine.info``)."""
+
+    name: str
+    model_type: str
+    created: int  # when it loaded (Unix seconds)
+    max_context: int  # prompt and output tokens at most (--max-model-len caps the model's own)
+    max_batch_size: int  # rows decoded together: a request's choices (n) fit in it
+    tool_format: str | None  # the tool-call syntax the model speaks
+    media_token_ids: frozenset[int]  # the image placeholder ids a token prompt may not hold
+    max_pixels: int | None  # the image processor's own pixel budget where it resizes to one (Qwen's)
+    weights_bytes: int
+
+
 STARTING_RETRY_S = 5  # Retry-After while a model loads: its load time is not known until it is done
 _AVERAGE = 0.2  # weight of the newest request in the running average of request durations
 
@@ -101,6 +116,7 @@ class AsyncEngine:
         # The loop's own copy of the tokenizer (detokenizing, logprobs): the pool's threads have theirs.
         self.tokenizer: Any = None
         self.tool_format: str | None = None  # the tool-call syntax this model speaks
+        self._info: ModelInfo | None = None  # what the API reads of it, once it has loaded (``info``)
         self.guides: GuideCompiler | None = None  # constrained decoding's grammars, compiled per model
         self.core: EngineCore | None = None
         self.kv: KVBudget | None = None  # measured after the warm-up
@@ -155,6 +171,9 @@ class AsyncEngine:
         self.kv = await self.worker.run(self.core.measure_kv, probe)
         costs = await self.worker.run(self.core.measure_costs, probe)
         self._metrics = await self.worker.run(self.core.snapshot)  # not the warm-up's last step
+        self._info = ModelInfo(self.name, self.loaded.model_type, self.created, self.loaded.max_context,
+                               self.config.max_batch_size, self.tool_format, self.prompter.media_token_ids,
+                               self._max_pixels(), self.loaded.weights_bytes)
         self.ready = True
         self._watchdog = asyncio.create_task(self._watch_consumers())
         if self._runner is not None:
@@ -247,11 +266,27 @@ class AsyncEngine:
         """Whether this model's prompts end inside an open ``<think>`` block (Qwen3.5)."""
         return self.prompter is not None and self.prompter.template.opens_reasoning
 
-    @property
-    def max_pixels(self) -> int | None:
+    def _max_pixels(self) -> int | None:
         """The image processor's own pixel budget where it resizes to one (Qwen's), else None."""
         limit = self.prompter.image_limit if self.prompter is not None else None
         return limit.area if limit is not None and limit.takes_pixel_kwargs else None
+
+    @property
+    def info(self) -> ModelInfo:
+        """The model's description, once it has loaded (EngineNotReadyError before)."""
+        if self._info is None:
+            self.check_ready()
+        assert self._info is not None, "a model that serves has its description"
+        return self._info
+
+    def check_ready(self) -> None:
+        """EngineNotReadyError unless it serves: while it loads (with when to retry), or why it cannot."""
+        if self.ready:
+            return
+        if self.starting:
+            raise EngineNotReadyError(f"model {self.name!r} is loading", STARTING_RETRY_S)
+        self._check_alive()  # says why it is not available
+        raise EngineNotReadyError(f"model {self.name!r} is not available")
 
     def media_refusal(self, images: int, videos: int) -> str | None:
         """Why this model cannot take a prompt with these images and videos, or None (also before it
