@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import socket
 import sys
 import time
@@ -145,7 +146,6 @@ def serve_rank(config: ServeConfig) -> int:
     """One rank of an ``mlx.launch`` group: rank 0 serves HTTP with the model split across every rank
     (engine/pipeline.py); the others hold their layers and follow rank 0's steps until it stops."""
     import dataclasses
-    import os
 
     from vlmserve.engine.pipeline import group
 
@@ -200,6 +200,12 @@ def _follow(config: ServeConfig, rank: int) -> int:
     return 0
 
 
+def _exit_stuck() -> None:
+    """A rank hung and rank 0's worker waits in ``recv`` for good: nothing else can stop it. The requests
+    already got their errors (engine/pipeline_runner.py's watchdog)."""
+    os._exit(1)
+
+
 def _listing(state: ServerState) -> str:
     """The models, pinned ones by name, those of --model-dir counted by status."""
     pinned = ", ".join(m.name for m in state.pinned) or "no --model"
@@ -238,7 +244,7 @@ def serve(config: ServeConfig) -> int:
     holder.append(server)
     for served in state.models:  # across ranks, a lost rank ends the server (every request gets an error first)
         if config.engine.pipeline:
-            served.engine.on_dead = server.fail
+            served.engine.on_dead, served.engine.on_stuck = server.fail, _exit_stuck
     try:
         sock = listening_socket(uv_config)
     except OSError as exc:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import pickle
 import threading
 import time
@@ -181,13 +180,15 @@ def _for_followers(new: NewRequest) -> NewRequest:
 class Watch:
     """Rank 0's watchdog: a step or a heartbeat still waiting on the other ranks after ``timeout_s``
     means one of them hung (a stopped process, a lost link that never errors). ``on_hang`` gets one
-    line naming it; the process then exits, since the worker is stuck in ``recv`` for good."""
+    line naming it; ``grace_s`` later ``on_stuck`` runs: the worker is stuck in ``recv`` for good, and the
+    process must end (server.py decides how)."""
 
-    def __init__(self, stage: Stage, timeout_s: float, exit_after_s: float | None = 2.0) -> None:
+    def __init__(self, stage: Stage, timeout_s: float, grace_s: float = 2.0) -> None:
         self.stage = stage
         self.timeout_s = timeout_s
-        self.exit_after_s = exit_after_s
+        self.grace_s = grace_s
         self.on_hang: Callable[[str], None] | None = None
+        self.on_stuck: Callable[[], None] | None = None
         self._since: float | None = None
         self._what = ""
         self._fired = False
@@ -224,9 +225,9 @@ class Watch:
             log.error(message)
             if self.on_hang is not None:
                 self.on_hang(message)
-            if self.exit_after_s is not None:
-                time.sleep(self.exit_after_s)
-                os._exit(1)  # the worker waits in recv forever: nothing else can stop it
+            if self.on_stuck is not None:
+                time.sleep(self.grace_s)  # the requests' errors go out first
+                self.on_stuck()
 
 
 # -- the runners --------------------------------------------------------------------------

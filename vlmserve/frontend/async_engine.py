@@ -133,6 +133,9 @@ class AsyncEngine:
         self.on_step: Callable[[EngineMetrics], None] | None = None  # on the loop, once per engine step
         # On the loop when the engine can never serve again (its worker died, a pipeline rank was lost):
         self.on_dead: Callable[[str], None] | None = None
+        # On the pipeline watchdog's thread, once a hung rank has left the worker stuck for good (server.py ends
+        # the process):
+        self.on_stuck: Callable[[], None] | None = None
         self.stage: Stage | None = None  # this rank's layers, when served across ranks
         self.kv_quant_off: str | None = None  # why --kv-bits is off for this model, where it was asked for
         self._runner: LeaderRunner | None = None
@@ -227,7 +230,7 @@ class AsyncEngine:
         """Rank 0's runner (on the worker), watched for ranks that stop answering."""
         assert self.stage is not None
         watch = Watch(self.stage, self.config.pipeline_timeout_s)
-        watch.on_hang = self._lost_threadsafe
+        watch.on_hang, watch.on_stuck = self._lost_threadsafe, self.on_stuck
         self._runner = LeaderRunner(loaded, caches, self.stage, watch)
         return self._runner
 
@@ -584,7 +587,7 @@ class AsyncEngine:
         self._streams.clear()
         # the cycles through callbacks too: an engine made before the server froze its heap (gc.freeze, at
         # ready) is never collected, so nothing it holds may keep the model
-        self.worker.on_exit = self.on_step = self.on_dead = None
+        self.worker.on_exit = self.on_step = self.on_dead = self.on_stuck = None
         self.worker.set_stepper(None)
 
     async def stats(self) -> EngineMetrics:
