@@ -24,7 +24,7 @@ from vlmserve.api.anthropic import count_tokens, create_message
 from vlmserve.api.anthropic_input import CountTokensRequest, MessagesRequest
 from vlmserve.api.chat import create_chat_completion
 from vlmserve.api.completions import CompletionRequest, create_completion
-from vlmserve.api.errors import APIError, install_error_handlers, log_rejection
+from vlmserve.api.errors import APIError, first_line, install_error_handlers, log_rejection
 from vlmserve.api.responses import create_response
 from vlmserve.api.responses_input import ResponsesRequest
 from vlmserve.api.schemas import ChatCompletionRequest
@@ -83,7 +83,7 @@ async def _start_engines(state: ServerState, on_fatal: Callable[[str], None] | N
         try:
             await served.engine.start()
         except Exception as exc:  # noqa: BLE001 - reported once, clearly, then the server exits
-            said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            said = first_line(exc)
             failures.append(said if "cannot load model" in said else f"model {served.name!r} failed to load: {said}")
             await served.engine.shutdown(said)
             continue

@@ -47,6 +47,11 @@ def anthropic_path(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception in one line, for a log or an error message: its first line, else its type."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def retry_after(seconds: int | None) -> dict[str, str] | None:
     return {"Retry-After": str(seconds)} if seconds is not None else None
 

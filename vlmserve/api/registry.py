@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmserve.api.errors import APIError
+from vlmserve.api.errors import APIError, first_line
 from vlmserve.api.state import ServedModel
 from vlmserve.engine.memory import give_back
 from vlmserve.frontend.async_engine import AsyncEngine
@@ -154,7 +154,7 @@ class ModelRegistry:
             try:
                 await served.engine.start()
             except Exception as exc:
-                said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                said = first_line(exc)
                 log.error("model %s failed to load: %s", served.name, said)
                 served.load_failures += 1
                 served.last_error = said
@@ -268,5 +268,4 @@ _REASONS = {"lru": "--max-loaded-models reached; least recently used",
 
 
 def _load_failed(served: ServedModel, exc: Exception) -> APIError:
-    said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return APIError(500, f"model {served.name!r} failed to load: {said}", "server_error", "model", "model_load_failed")
+    return APIError(500, f"model {served.name!r} failed to load: {first_line(exc)}", "server_error", "model", "model_load_failed")
