@@ -161,3 +161,16 @@ def test_a_client_that_leaves_a_long_completion_aborts_it(server, client, gemma4
         time.sleep(0.1)
     assert "prompts=2" in server.log and "finish=disconnected" in server.log
     assert client.completions.create(model=gemma4_micro.name, prompt="next", **GREEDY).choices[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_over_the_context_is_a_400_streamed_or_not(server, client, gemma4_micro, stream):
+    """The first prompt's refusal comes before the response begins, streamed too (as chat's does): a 400
+    the openai client raises, not a 200 whose stream holds an error."""
+    limit = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        reply = client.completions.create(model=gemma4_micro.name, prompt=[5] * (limit + 1), max_tokens=4,
+                                          stream=stream)
+        list(reply) if stream else None
+    assert refused.value.code == "context_length_exceeded"
+    assert client.completions.create(model=gemma4_micro.name, prompt="next", **GREEDY).choices[0].text

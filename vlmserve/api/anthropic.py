@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 
 from vlmserve.api.anthropic_input import CountTokensRequest, MessagesRequest, to_chat_request
-from vlmserve.api.chat import Call, engine_fault, outputs, serve_call, sse_event
+from vlmserve.api.chat import Call, serve_call
+from vlmserve.api.errors import APIError
+from vlmserve.api.flight import sse_event
 from vlmserve.api.openai_format import Delta, delta_events
 from vlmserve.api.state import ServerState
 from vlmserve.api.tokenize import chat_prompt_ids
@@ -117,18 +119,14 @@ class _Blocks:
         return sse_event({"type": "content_block_delta", "index": self.index, "delta": delta}, "content_block_delta")
 
 
-async def _events(call: Call, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[str]:
+async def _events(call: Call) -> AsyncIterator[str]:
     b, status, open_blocks = call.builder, "disconnected", _Blocks()
     try:
-        start = {**usage(first), "output_tokens": 0}
+        start = {**usage(call.first), "output_tokens": 0}
         yield sse_event({"type": "message_start", "message": message(call, [], None, None, start)}, "message_start")
         yield sse_event({"type": "ping"}, "ping")
-        out = first
-        async for out in outputs(call, first, stream):
-            if out.finish_reason == "error":
-                status = "error"
-                yield sse_event(engine_fault(b.id, out.error, call.state.draining).body(anthropic=True), "error")
-                return
+        out = call.first
+        async for out in call.flight.outputs():
             for event in open_blocks.feed(b.step(out)):
                 yield event
         for event in open_blocks.close():
@@ -138,6 +136,9 @@ async def _events(call: Call, first: RequestOutput, stream: AsyncGenerator[Reque
         yield sse_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                          "usage": usage(out)}, "message_delta")
         yield sse_event({"type": "message_stop"}, "message_stop")
+    except APIError as error:  # the stream has begun: the error is its last event
+        status = "error"
+        yield sse_event(error.body(anthropic=True), "error")
     finally:
         call.done(status)
-        await stream.aclose()
+        await call.flight.close()

@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -32,18 +32,18 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
-from vlmserve.api.chat import (
-    REFUSALS,
-    SSE_HEADERS,
-    choice_count,
-    disconnected,
-    engine_fault,
-    fork_params,
-    predicted,
-    refusal,
-    sse_event,
-)
 from vlmserve.api.errors import APIError, bad_request
+from vlmserve.api.flight import (
+    GONE,
+    SSE_HEADERS,
+    Flight,
+    all_or_none,
+    choice_count,
+    predicted,
+    refuse_if_draining,
+    sse_event,
+    until_done_or_disconnect,
+)
 from vlmserve.api.messages import sampling_params
 from vlmserve.api.openai_format import PREDICTION_USAGE
 from vlmserve.api.schemas import SamplingFields
@@ -85,9 +85,7 @@ class Choice:
 
 
 async def create_completion(req: CompletionRequest, http: Request, state: ServerState) -> Any:
-    if state.draining:
-        raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable", None,
-                       "shutting_down")
+    refuse_if_draining(state)
     _refuse_unsupported(req)
     served = await state.acquire(req.model)  # held until every prompt ran: they may go one group at a time
     timing = Timing(state.metrics, served.name, f"cmpl-{uuid.uuid4().hex}")
@@ -97,8 +95,7 @@ async def create_completion(req: CompletionRequest, http: Request, state: Server
         streams = isinstance(response, StreamingResponse)  # it releases the model (and records) as it ends
         return response
     except APIError as exc:
-        timing.record(f"error_{exc.status}", {}, f" code={exc.code or '-'}: {exc.message[:200]}")
-        raise
+        raise timing.failed(exc) from None
     finally:
         if not streams:
             state.release(served)
@@ -106,42 +103,45 @@ async def create_completion(req: CompletionRequest, http: Request, state: Server
 
 async def _complete(req: CompletionRequest, http: Request, state: ServerState, served: ServedModel,
                     timing: Timing) -> Any:
-    """``create_completion`` with the model loaded and leased."""
+    """``create_completion`` with the model loaded and leased. The first prompt's first output is awaited
+    before the response begins, so that its refusal is still a status (as chat's); a later prompt's error
+    ends a stream with an error event."""
     engine = served.engine
     vocab = len(engine.tokenizer) if engine.tokenizer is not None else 0
     prompts = await _prompt_ids(req, served, vocab)
     params = await predicted(_params(req, state, vocab), req, engine)
-    request_id = timing.request_id
     texts = await asyncio.gather(*(engine.on_pool(partial(PromptBuilder.detokenize, token_ids=ids)) for ids in prompts)) \
         if req.echo else [""] * len(prompts)
     # echo: the text starts with the prompt's; max_tokens 0 (with echo): the prompt alone, no generation
     # unless its logprobs are asked (then one token is generated for them, and dropped)
     n = choice_count(req.n, engine.info.max_batch_size)
-    choices = [Choice(i * n + j, ids, text, text, fork=j > 0) for i, (ids, text) in enumerate(zip(prompts, texts))
-               for j in range(n)]
-    generate = req.max_tokens != 0 or params.prompt_logprobs is not None
-    for choice in choices if req.max_tokens == 0 else ():
-        choice.finish_reason = "length"
+    groups = [[Choice(i * n + j, ids, text, text, fork=j > 0) for j in range(n)]
+              for i, (ids, text) in enumerate(zip(prompts, texts))]
+    choices = [c for group in groups for c in group]
     created = int(time.time())
+    if req.max_tokens == 0:
+        for choice in choices:
+            choice.finish_reason = "length"
+        if params.prompt_logprobs is None:  # the prompts alone
+            if req.stream:
+                return StreamingResponse(state.holding(served, _stream(created, served, choices, None, req, timing)),
+                                         media_type="text/event-stream", headers=SSE_HEADERS)
+            _record(timing, choices, "length")
+            return JSONResponse(_body(timing.request_id, created, served.name, choices, req, usage=True))
+    run = _Run(timing, served, groups, params, lambda: state.draining)
+    begun = await until_done_or_disconnect(http, run.begin(), run.open_flights)
+    if begun is GONE:
+        _record(timing, choices, "disconnected")
+        return JSONResponse({}, status_code=499)
     if req.stream:
-        stream = _stream(created, served, choices, params if generate else None, req, timing)
-        return StreamingResponse(state.holding(served, stream), media_type="text/event-stream", headers=SSE_HEADERS)
-    if generate:
-        work = asyncio.ensure_future(_run_all(timing, served, choices, params, None))
-        gone = asyncio.ensure_future(disconnected(http))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (work, gone):
-                if not task.done():
-                    task.cancel()  # a client that left: every prompt is aborted in the engine
-            await asyncio.gather(work, gone, return_exceptions=True)
-        if not work.done() or work.cancelled():
-            _record(timing, choices, "disconnected")
-            return JSONResponse({}, status_code=499)
-        work.result()
+        return StreamingResponse(state.holding(served, _stream(created, served, choices, run, req, timing)),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    done = await until_done_or_disconnect(http, run.all(), run.open_flights)
+    if done is GONE:
+        _record(timing, choices, "disconnected")
+        return JSONResponse({}, status_code=499)
     _record(timing, choices, choices[0].finish_reason or "stop")
-    return JSONResponse(_body(request_id, created, served.name, choices, req, usage=True))
+    return JSONResponse(_body(timing.request_id, created, served.name, choices, req, usage=True))
 
 
 def _refuse_unsupported(req: CompletionRequest) -> None:
@@ -200,95 +200,82 @@ def _params(req: CompletionRequest, state: ServerState, vocab: int) -> SamplingP
     return params
 
 
-async def _run_all(timing: Timing, served: ServedModel, choices: list[Choice], params: SamplingParams,
-                   updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None) -> None:
-    """Every prompt through the engine (with its further choices, n > 1), as many at once as the batch
-    takes; the first error ends all. Each output's tokens go to ``timing`` (the gaps between them only
-    where there is one choice: several would interleave)."""
-    groups: list[list[Choice]] = []
-    for choice in choices:
-        if choice.fork:
-            groups[-1].append(choice)
+class _Run:
+    """Every prompt of one request through the engine, each with its further choices (n > 1) as one
+    ``Flight``, as many at once as the batch takes; the first error ends all. Each output's tokens go
+    to the request's timing (the gaps between them only where there is one choice: several would
+    interleave). Streamed, each choice's news goes to ``updates``."""
+
+    def __init__(self, timing: Timing, served: ServedModel, groups: list[list[Choice]], params: SamplingParams,
+                 draining: Callable[[], bool]) -> None:
+        self.timing, self.served, self.groups, self.params = timing, served, groups, params
+        self.updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None = None  # set to stream
+        self._observe = partial(timing.observe, gaps=sum(map(len, groups)) == 1)
+        self._draining = draining
+        self._flights: list[Flight] = []
+        self._room = asyncio.Semaphore(max(1, served.engine.info.max_batch_size // len(groups[0])))
+
+    def open_flights(self) -> list[Flight]:
+        return list(self._flights)
+
+    async def begin(self) -> None:
+        """The first prompt submitted and its first output come: until then, any error is the request's status."""
+        await self._room.acquire()
+        try:
+            await self._submit(self.groups[0]).start()
+        except BaseException:
+            await self._flights[0].close()
+            raise
+
+    async def all(self) -> None:
+        """Every prompt to its end (the first one already begun)."""
+        await all_or_none([self._group(i, group) for i, group in enumerate(self.groups)])
+
+    def _submit(self, group: list[Choice]) -> Flight:
+        engine = self.served.engine
+        flight = Flight(engine, f"{self.timing.request_id}-{group[0].index}", PromptInputs(group[0].prompt_ids),
+                        self.params, len(group), self._observe, self._draining, "prompt")
+        self._flights.append(flight)
+        return flight
+
+    async def _group(self, i: int, group: list[Choice]) -> None:
+        if i:
+            await self._room.acquire()
+            flight = self._submit(group)
         else:
-            groups.append([choice])
-    room = asyncio.Semaphore(max(1, served.engine.info.max_batch_size // len(groups[0])))
-    tokenizer = served.engine.tokenizer
-    observe = partial(timing.observe, gaps=len(choices) == 1)
+            flight = self._flights[0]  # begun, in its slot
+        try:
+            if i:
+                await flight.start()
+            await all_or_none([self._choice(flight, j, group) for j in range(len(group))])
+        finally:
+            self._room.release()
+            await flight.close()
 
-    async def one(group: list[Choice]) -> None:
-        async with room:
-            await _run_group(f"{timing.request_id}-{group[0].index}", served, group, params, tokenizer, updates, observe)
-
-    tasks = [asyncio.ensure_future(one(g)) for g in groups]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _run_group(request_id: str, served: ServedModel, group: list[Choice], params: SamplingParams,
-                     tokenizer: Any, updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None,
-                     observe: Callable[[RequestOutput], None]) -> None:
-    """One prompt's choices: the first is the request, the others its forks, read once it has begun."""
-    engine = served.engine
-    forks = [(f"{request_id}-{j}", fork_params(params, j)) for j in range(1, len(group))]
-    begun = asyncio.Event()
-    stream = engine.generate(request_id, PromptInputs(group[0].prompt_ids), params, forks)
-
-    async def fork(choice: Choice, fork_id: str, sampling: SamplingParams) -> None:
-        await begun.wait()  # its outputs exist once the prompt reached the engine
-        await _run_one(fork_id, choice, engine.follow(fork_id, sampling), sampling, tokenizer, updates, observe, ())
-
-    await asyncio.gather(_run_one(request_id, group[0], stream, params, tokenizer, updates, observe, group[1:], begun),
-                         *(fork(c, fid, p) for c, (fid, p) in zip(group[1:], forks)))
-
-
-async def _run_one(request_id: str, choice: Choice, stream: AsyncGenerator[RequestOutput, None],
-                   params: SamplingParams, tokenizer: Any,
-                   updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] | None,
-                   observe: Callable[[RequestOutput], None], forks: list[Choice] | tuple[()],
-                   begun: asyncio.Event | None = None) -> None:
-    """One choice's outputs; the prompt's logprobs (with its first) go to its forks too."""
-    try:
-        async for out in _checked(stream, request_id):
-            observe(out)
-            if begun is not None:
-                begun.set()
-            if out.prompt_logprobs is not None:
-                for each in (choice, *forks):
-                    scored = _prompt_logprobs(each, out.prompt_logprobs, tokenizer)
-                    if updates is not None:
-                        await updates.put((each, each.prompt_text, scored))
+    async def _choice(self, flight: Flight, j: int, group: list[Choice]) -> None:
+        """Choice ``j`` of a prompt's outputs; the prompt's logprobs (with the first) go to every choice of it."""
+        choice, tokenizer = group[j], self.served.engine.tokenizer
+        async for out in flight.outputs(j):
+            if out.prompt_logprobs is not None and j == 0:
+                for each in group:
+                    await self._put(each, each.prompt_text, _prompt_logprobs(each, out.prompt_logprobs, tokenizer))
             if choice.finish_reason is not None:  # max_tokens 0: the token made for the prompt's logprobs
-                if updates is not None and out.finished:
-                    await updates.put((choice, "", None))
+                if out.finished:
+                    await self._put(choice, "", None)
                 continue
             delta = out.text
-            logprobs = _logprobs(choice, out, tokenizer) if params.logprobs else None
+            logprobs = _logprobs(choice, out, tokenizer) if self.params.logprobs else None
             choice.text += delta
             choice.completion_tokens = out.num_completion_tokens
             choice.prediction = (out.accepted_prediction_tokens, out.rejected_prediction_tokens)
             if out.finished:
                 choice.finish_reason = "length" if out.finish_reason == "length" else "stop"
-            if updates is not None and (delta or logprobs or out.finished):
-                await updates.put((choice, delta, logprobs))
-    finally:
-        if begun is not None:
-            begun.set()  # the forks find their outputs, or none when the prompt never reached the engine
-        await stream.aclose()
+            if delta or logprobs or out.finished:
+                await self._put(choice, delta, logprobs)
 
-
-async def _checked(stream: AsyncIterator[RequestOutput], request_id: str) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs; its refusals as the API's errors."""
-    try:
-        async for out in stream:
-            if out.finish_reason == "error":
-                raise engine_fault(request_id, out.error)
-            yield out
-    except REFUSALS as exc:
-        raise refusal(exc, "prompt") from None
+    async def _put(self, choice: Choice, delta: str, logprobs: dict[str, Any] | None) -> None:
+        if self.updates is not None:
+            await self.updates.put((choice, delta, logprobs))
 
 
 def _record(timing: Timing, choices: list[Choice], status: str) -> None:
@@ -364,21 +351,21 @@ def _usage(choices: list[Choice]) -> dict[str, Any]:
             "completion_tokens_details": details}
 
 
-async def _stream(created: int, served: ServedModel, choices: list[Choice], params: SamplingParams | None,
+async def _stream(created: int, served: ServedModel, choices: list[Choice], run: _Run | None,
                   req: CompletionRequest, timing: Timing) -> AsyncIterator[str]:
     """SSE: a chunk per choice per step, a last chunk with usage when asked, then [DONE]; an error
-    after the stream began is an error event, then [DONE]."""
-    updates: asyncio.Queue[tuple[Choice, str, dict[str, Any] | None]] = asyncio.Queue()
+    after the stream began is an error event, then [DONE]. ``run`` has begun (None: the prompts alone)."""
     head = {"id": timing.request_id, "object": "text_completion", "created": created, "model": served.name}
     if req.echo and req.logprobs is None:  # with logprobs, the prompt comes with its own when known
         for choice in choices:
             yield sse_event({**head, "choices": [{"index": choice.index, "text": choice.prompt_text,
                                                   "logprobs": None, "finish_reason": choice.finish_reason}]})
-    if params is None:
+    if run is None:
         _record(timing, choices, "length")
         yield "data: [DONE]\n\n"
         return
-    runner = asyncio.ensure_future(_run_all(timing, served, choices, params, updates))
+    updates = run.updates = asyncio.Queue()
+    runner = asyncio.ensure_future(run.all())
     status = "disconnected"
     try:
         while not (runner.done() and updates.empty()):
@@ -401,6 +388,6 @@ async def _stream(created: int, served: ServedModel, choices: list[Choice], para
         _record(timing, choices, status)
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
+        for flight in run.open_flights():
+            await flight.close()
     yield "data: [DONE]\n\n"
-
-

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 
-from vlmserve.api.chat import Call, Stream, engine_fault, outputs, serve_call, sse_event
+from vlmserve.api.chat import Call, serve_call
+from vlmserve.api.errors import APIError
+from vlmserve.api.flight import sse_event
 from vlmserve.api.openai_format import delta_events
 from vlmserve.api.responses_input import ResponsesRequest, to_chat_request
 from vlmserve.api.state import ServerState
@@ -27,9 +29,9 @@ from vlmserve.frontend.output import RequestOutput
 async def create_response(req: ResponsesRequest, http: Request, state: ServerState) -> Any:
     shape = _Shape(req, f"resp_{uuid.uuid4().hex}")
 
-    def events(call: Call, first: RequestOutput, stream: Stream) -> AsyncIterator[str]:
+    def events(call: Call) -> AsyncIterator[str]:
         shape.model = call.served.name
-        return _events(call, first, stream, shape)
+        return _events(call, shape)
 
     def whole(call: Call, _: RequestOutput) -> dict[str, Any]:
         shape.model = call.served.name
@@ -164,19 +166,13 @@ class _Events:
                           part=part)
 
 
-async def _events(call: Call, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None], shape: _Shape) -> AsyncIterator[str]:
+async def _events(call: Call, shape: _Shape) -> AsyncIterator[str]:
     ev, b, status = _Events(shape), call.builder, "disconnected"
     try:
         yield ev.event("response.created", response=shape.response(None, "in_progress", []))
         yield ev.event("response.in_progress", response=shape.response(None, "in_progress", []))
-        out, sink = first, _DeltaSink(ev)
-        async for out in outputs(call, first, stream):
-            if out.finish_reason == "error":
-                status = "error"
-                error = engine_fault(b.id, out.error, call.state.draining)
-                yield ev.event("response.failed", response=shape.response(
-                    call, "failed", ev.items, {"code": error.code or "server_error", "message": error.message}))
-                return
+        out, sink = call.first, _DeltaSink(ev)
+        async for out in call.flight.outputs():
             for chunk in delta_events(b.step(out), sink):
                 yield chunk
         for chunk in ev.close():
@@ -184,9 +180,13 @@ async def _events(call: Call, first: RequestOutput, stream: AsyncGenerator[Reque
         status = call.finish = b.finish_reason(out.finish_reason)
         final = _status(call.finish)
         yield ev.event(f"response.{final}", response=shape.response(call, final, ev.items))
+    except APIError as error:  # the stream has begun: it ends failed
+        status = "error"
+        yield ev.event("response.failed", response=shape.response(
+            call, "failed", ev.items, {"code": error.code or "server_error", "message": error.message}))
     finally:
         call.done(status)
-        await stream.aclose()
+        await call.flight.close()
 
 
 class _DeltaSink:

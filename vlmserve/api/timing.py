@@ -2,7 +2,8 @@
 latency, time to first token, the gaps between tokens, prompt and completion tokens).
 
 Every endpoint records through it: chat completions, Responses and Messages through chat's ``Call``,
-completions with one of its own. Before, completions logged by itself and never reached the metrics.
+completions with one of its own; their outputs are observed by the flight they read (``flight.Flight``).
+Before, completions logged by itself and never reached the metrics.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmserve.api.errors import APIError
 from vlmserve.api.metrics import ServerMetrics
 from vlmserve.frontend.output import RequestOutput
 
@@ -50,3 +52,10 @@ class Timing:
         ttft = f"{self.ttft:.3f}s" if self.ttft is not None else "-"
         log.info("%s model=%s %sprompt=%s completion=%s ttft=%s total=%.3fs finish=%s%s", self.request_id, self.model,
                  what, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), ttft, latency, status, detail)
+
+    def failed(self, error: APIError, usage: dict[str, Any] | None = None) -> APIError:
+        """Record ``error`` as the request's end (``error_<status>``); the request's own line says it, so the
+        error handler need not log it again."""
+        self.record(f"error_{error.status}", usage or {}, f" code={error.code or '-'}: {error.message[:200]}")
+        error.logged = True
+        return error

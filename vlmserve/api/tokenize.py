@@ -12,8 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vlmserve.api.chat import REFUSALS, chat_input, prompt_factory, refusal
+from vlmserve.api.chat import chat_input, prompt_factory
 from vlmserve.api.errors import bad_request
+from vlmserve.api.flight import REFUSALS, refusal
 from vlmserve.api.messages import chat_request
 from vlmserve.api.schemas import ChatCompletionRequest, Message
 from vlmserve.api.state import ServedModel, ServerState
