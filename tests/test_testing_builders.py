@@ -294,3 +294,20 @@ def test_gemma3_template_is_gemma3_style() -> None:
         "<bos><start_of_turn>user\nBe brief.\n\n<start_of_image>What?<end_of_turn>\n"
         "<start_of_turn>model\n"
     )
+
+
+def test_tool_tuning_trains_on_the_chats_the_api_hands_the_template() -> None:
+    """tool_tuning writes its chats in the template's form (the builders stay below the API); they must be
+    what the API's own conversion makes of the OpenAI-shaped chats, or the tuned models learn another prompt."""
+    from vlmserve.api.messages import to_chat_input
+    from vlmserve.api.schemas import ChatCompletionRequest
+    from vlmserve.preprocess.media import MediaPolicy
+    from vlmserve.testing import tool_tuning as tt
+
+    def converted(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        body = {"model": "m", "messages": messages, "tools": [tt.WEATHER_TOOL]}
+        return to_chat_input(ChatCompletionRequest.model_validate(body), MediaPolicy(max_images=0)).messages
+
+    call_turn = {"role": "assistant", "content": None, "tool_calls": [tt.CALL]}
+    assert converted([*tt.ASK, call_turn]) == [*tt.ASK, tt.TEMPLATE_CALL_TURN]
+    assert converted(tt.AFTER_CALL) == tt.TEMPLATE_AFTER_CALL

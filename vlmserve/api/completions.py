@@ -189,12 +189,9 @@ async def _prompt_ids(req: CompletionRequest, served: ServedModel, vocab: int) -
 
 
 def _params(req: CompletionRequest, state: ServerState, vocab: int) -> SamplingParams:
-    params = sampling_params(
-        max_tokens=req.max_tokens or 1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
-        ignore_eos=req.ignore_eos, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
-        logit_bias=req.logit_bias, vocab_size=vocab, default_max_tokens=state.config.default_max_tokens)
+    params = sampling_params(req, max_tokens=req.max_tokens or 1, logprobs=req.logprobs is not None,
+                             top_logprobs=req.logprobs or 0, vocab_size=vocab,
+                             default_max_tokens=state.config.default_max_tokens)
     if req.echo and req.logprobs is not None:  # the prompt's own, as lm-evaluation-harness scores it
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     return params

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from vlmserve.api.errors import bad_request
 from vlmserve.api.limits import check_json
-from vlmserve.api.schemas import ChatCompletionRequest, ImagePart, Message, NamedToolChoice, VideoPart
+from vlmserve.api.schemas import ChatCompletionRequest, ImagePart, Message, NamedToolChoice, SamplingFields, VideoPart
 from vlmserve.engine.params import SamplingParams
 from vlmserve.preprocess.guided import GuideSpec
 from vlmserve.preprocess.media import MediaPolicy
@@ -271,44 +271,40 @@ def to_sampling_params(req: ChatCompletionRequest, default_max_tokens: int, voca
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
     if req.prompt_logprobs and req.stream:  # vLLM's rule and words (0 streams, without them)
         raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
-    params = sampling_params(
-        max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-        top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop,
-        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=bool(req.logprobs),
-        top_logprobs=req.top_logprobs or 0, logit_bias=req.logit_bias, vocab_size=vocab_size,
-        default_max_tokens=default_max_tokens)
+    params = sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens, logprobs=bool(req.logprobs),
+                             top_logprobs=req.top_logprobs or 0, vocab_size=vocab_size,
+                             default_max_tokens=default_max_tokens)
     scored = req.prompt_logprobs is not None and not req.stream
     return dataclasses.replace(params, prompt_logprobs=req.prompt_logprobs) if scored else params
 
 
-def sampling_params(*, max_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
-                    min_p: float | None, repetition_penalty: float | None, presence_penalty: float | None,
-                    frequency_penalty: float | None, seed: int | None, stop: str | list[str] | None,
-                    stop_token_ids: list[int] | None, ignore_eos: bool, logprobs: bool, top_logprobs: int,
-                    logit_bias: dict[str, float] | None, vocab_size: int, default_max_tokens: int) -> SamplingParams:
-    """The engine's sampling parameters from an API's fields (chat, completions), OpenAI's defaults
-    where a field is absent; what the engine refuses is a 400."""
+def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+                    vocab_size: int, default_max_tokens: int) -> SamplingParams:
+    """The engine's sampling parameters from the fields every API shares (``SamplingFields``: chat, and
+    Responses and Messages as chat requests, and completions) and those each names its own way
+    (``max_tokens``, ``logprobs``), OpenAI's defaults where a field is absent; what the engine refuses is
+    a 400. A new sampling field is read here, once."""
+    stop = req.stop
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if len(stops) > 8:
         raise bad_request("stop: at most 8 stop sequences", "stop")
     try:
         return SamplingParams(
             max_tokens=max_tokens or default_max_tokens,
-            temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p,
-            top_k=top_k or 0,
-            min_p=min_p or 0.0,
-            repetition_penalty=repetition_penalty or 1.0,
-            presence_penalty=presence_penalty or 0.0,
-            frequency_penalty=frequency_penalty or 0.0,
-            seed=seed,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            seed=req.seed,
             stop=stops,
-            stop_token_ids=tuple(stop_token_ids or ()),
-            ignore_eos=ignore_eos,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
-            logit_bias=_logit_bias(logit_bias or {}, vocab_size),
+            logit_bias=_logit_bias(req.logit_bias or {}, vocab_size),
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None

@@ -3,8 +3,8 @@
 A random model never emits a tool call, so the API's tool path could only be tested with
 hand-fed tokens. A few seconds of full fine-tuning make a micro model answer two exact chats:
 the weather question with a ``get_weather`` call, and the tool's result with a sentence. The
-targets are what the family's own chat template writes for those assistant turns (through the
-same message conversion and prompt builder the server uses), so the model speaks Gemma 4's
+targets are what the family's own chat template writes for those assistant turns (the chats as the
+server's message conversion hands them to the template, through the prompt builder the server uses), so the model speaks Gemma 4's
 ``call:NAME{...}``, Hermes JSON, Qwen3.5's XML or Mistral's ``[TOOL_CALLS]``, whichever its
 template does, and stops with the template's own end of turn.
 """
@@ -33,6 +33,13 @@ RESULT = "21 degrees and sunny"
 ANSWER = "It is 21 degrees and sunny in Tokyo."
 AFTER_CALL: list[dict[str, Any]] = [*ASK, {"role": "assistant", "content": None, "tool_calls": [CALL]},
                                     {"role": "tool", "tool_call_id": CALL_ID, "content": RESULT}]
+# The same chats as the API's message conversion gives them to the template (``api.messages.to_chat_input``;
+# tests/test_testing_builders.py checks that they agree): arguments as an object, the tool's result named.
+# Written out so that the model builders stay below the API.
+TEMPLATE_CALL_TURN: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [
+    {**CALL, "function": {"name": "get_weather", "arguments": {"location": "Tokyo"}}}]}
+TEMPLATE_AFTER_CALL: list[dict[str, Any]] = [*ASK, TEMPLATE_CALL_TURN, {
+    "role": "tool", "content": RESULT, "tool_call_id": CALL_ID, "name": "get_weather"}]
 CHECK_EVERY = 20  # steps between greedy checks; training stops once both answers come out exactly
 MAX_STEPS = 400
 LEARNING_RATE = 2e-3
@@ -49,8 +56,7 @@ def examples(processor: Any, eos_ids: frozenset[int]) -> list[Example]:
     from vlmserve.preprocess.prompt import PromptBuilder
 
     prompter = PromptBuilder.for_processor(processor)
-    chats = [(ASK, {"role": "assistant", "content": None, "tool_calls": [CALL]}),
-             (AFTER_CALL, {"role": "assistant", "content": ANSWER})]
+    chats = [(ASK, TEMPLATE_CALL_TURN), (TEMPLATE_AFTER_CALL, {"role": "assistant", "content": ANSWER})]
     return [_example(prompter, history, answer, eos_ids) for history, answer in chats]
 
 
@@ -73,18 +79,13 @@ def _example(prompter: Any, history: list[dict[str, Any]], answer: dict[str, Any
 
 def _render(prompter: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> tuple[Any, str]:
     """The adapted messages (what the template sees) and the template's text, as the server builds them."""
-    from vlmserve.api.messages import to_chat_input
-    from vlmserve.api.schemas import ChatCompletionRequest
-    from vlmserve.preprocess.media import MediaPolicy
     from vlmserve.preprocess.prompt import render_chat
     from vlmserve.preprocess.template import adapt_messages
 
-    chat = to_chat_input(ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": messages, "tools": [WEATHER_TOOL]}), MediaPolicy(max_images=0))
-    adapted, tools = adapt_messages(chat.messages, chat.tools, prompter.template)
+    adapted, tools = adapt_messages(messages, [WEATHER_TOOL], prompter.template)
     text = render_chat(prompter.processor, adapted, tools, add_generation_prompt=generation_prompt)
     if generation_prompt:
-        return prompter.build(chat.messages, [], chat.tools).input_ids, text
+        return prompter.build(messages, [], [WEATHER_TOOL]).input_ids, text
     return adapted, text
 
 
