@@ -38,6 +38,54 @@ def test_mlx_is_imported_only_in_engine_and_testing(path: Path) -> None:
     assert not [n for n in names if n == "mlx" or n.startswith(("mlx.", "mlx_vlm", "mlx_lm"))], path
 
 
+# Names of a family's processor and model classes (and mlx-vlm's model modules): a family's facts are its
+# adapter's (engine/models/), so no other module tells families apart by them.
+FAMILY_NAMES = ("Gemma3", "Gemma4", "Lfm2", "LlavaNext", "Idefics3", "SmolVLM", "Qwen", "Pixtral", "Mistral3",
+                "mlx_vlm.models.")
+FAMILY_HOMES = (("engine", "models"), ("testing",))
+
+
+def _family_branches(source: str) -> list[tuple[int, str]]:
+    """Where ``source`` tells families apart by a class or module name (line, name): ``<x>.startswith("Gemma4")``
+    (or ``endswith``), or a comparison of a ``__name__`` or ``__module__`` with such a name."""
+    def named(node: ast.AST) -> list[str]:
+        return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                and n.value.startswith(FAMILY_NAMES)]
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                "startswith", "endswith"):
+            found += [(node.lineno, name) for arg in node.args for name in named(arg)]
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(n, ast.Attribute) and n.attr in ("__name__", "__module__")
+                   for side in sides for n in ast.walk(side)):
+                found += [(node.lineno, name) for side in sides for name in named(side)]
+    return sorted(found)
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_only_adapters_tell_families_apart_by_class_name(path: Path) -> None:
+    parts = path.relative_to(PACKAGE).parts
+    if parts[:2] in FAMILY_HOMES or parts[:1] in FAMILY_HOMES:
+        return
+    assert _family_branches(path.read_text()) == [], f"{path}: a family's fact belongs in its adapter (engine/models/)"
+
+
+def test_the_family_branch_check_finds_branches() -> None:
+    old = """
+kind = type(ip).__name__
+if kind.startswith("Gemma4"): pass
+shrinks = not kind.startswith(("Pixtral", "Idefics3"))
+own = type(lm).__module__.startswith("mlx_vlm.models.lfm2")
+gemma = type(ip).__name__ == "Gemma3ImageProcessor"
+plain = name.startswith("data:") or type(x).__name__ == "KVCache"
+"""
+    assert _family_branches(old) == [(3, "Gemma4"), (4, "Idefics3"), (4, "Pixtral"), (5, "mlx_vlm.models.lfm2"),
+                                     (6, "Gemma3ImageProcessor")]
+
+
 def test_ruff_is_clean() -> None:
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     if not Path(ruff).exists():

@@ -197,12 +197,11 @@ class _Receives(_ReadsThrough):
 
 
 def text_model(adapter: ModelAdapter) -> Any:
-    """The language model's decoder, whose ``layers`` a stage splits: ``language_model.model``, or
-    the language model itself where it holds them (SmolVLM's)."""
-    for inner in (getattr(adapter.language_model, "model", None), adapter.language_model):
-        if isinstance(getattr(inner, "layers", None), list):
-            return inner
-    raise PipelineError(f"{type(adapter.model).__name__}: no decoder layer list to split")
+    """The language model's decoder, whose ``layers`` a stage splits (where is the adapter's fact)."""
+    inner = adapter.decoder
+    if inner is None:
+        raise PipelineError(f"{type(adapter.model).__name__}: no decoder layer list to split")
+    return inner
 
 
 def splittable(adapter: ModelAdapter) -> str | None:

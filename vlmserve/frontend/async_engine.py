@@ -158,7 +158,7 @@ class AsyncEngine:
         loaded = time.perf_counter()
         self.prompter = await asyncio.get_running_loop().run_in_executor(
             self._pool, PromptBuilder.for_processor, self.loaded.processor, self.config.preprocess_threads,
-            self._cache_hints())
+            self._cache_hints(), self.loaded.adapter.processor_limit(self.loaded.processor))
         self.tokenizer = await asyncio.get_running_loop().run_in_executor(
             self._pool, copy.deepcopy, self.loaded.tokenizer)
         self.tool_format = self._tool_format()

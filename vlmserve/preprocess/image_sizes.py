@@ -6,11 +6,15 @@ image must keep so that the processor still resizes *down* to what it would have
 original. An image at or under that size reaches the processor unchanged (so parity with mlx-vlm
 holds exactly); a larger one is shrunk by a whole factor, never below it. A family whose resize we
 cannot bound from its config gets no limit: its images are decoded whole, as before.
+
+The rules are here; which one a family's processor follows is its model adapter's fact
+(``ModelAdapter.processor_limit``), which the engine hands to ``PromptBuilder.for_processor``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,40 +90,51 @@ class ProcessorLimit:
         return max(1, min(int(width // need_w), int(height // need_h)))
 
 
-def processor_limit(processor: Any) -> ProcessorLimit | None:
-    """The limit of this processor's images, or None where its resize is not one we can bound."""
+def limit_of(processor: Any, rule: Callable[[Any], ProcessorLimit | None]) -> ProcessorLimit | None:
+    """``rule`` (one of the functions below, the model adapter's choice) read from the processor's image
+    processor; None where it has none, does not resize, or its config lacks what the rule reads."""
     ip = getattr(processor, "image_processor", None)
     if ip is None or getattr(ip, "do_resize", True) is False:
         return None
-    kind = type(ip).__name__
-    size = getattr(ip, "size", None)
     try:
-        if getattr(ip, "max_pixels", None) and getattr(ip, "merge_size", None):  # Qwen's smart_resize
-            return ProcessorLimit(kind, area=int(ip.max_pixels), takes_pixel_kwargs=True, shrinks=True)
-        if kind.startswith("Gemma4"):
-            patches = int(ip.max_soft_tokens) * int(ip.pooling_kernel_size) ** 2
-            return ProcessorLimit(kind, area=patches * int(ip.patch_size) ** 2, soft_tokens=int(ip.max_soft_tokens))
-        if kind.startswith("Gemma3") and getattr(ip, "do_pan_and_scan", False):
-            return None  # its crops come from the full image
-        if kind.startswith("Lfm2Vl"):
-            return _lfm2_limit(ip)
-        if kind.startswith("LlavaNext"):
-            boxes = tuple((int(w), int(h)) for h, w in ip.image_grid_pinpoints)
-            return ProcessorLimit(kind, shortest_edge=_field(size, "shortest_edge"), boxes=boxes)
-        longest, shortest = _field(size, "longest_edge"), _field(size, "shortest_edge")
-        height, width = _field(size, "height"), _field(size, "width")
-        if longest:  # Pixtral and Mistral 3 only shrink; Idefics3 (SmolVLM) scales up to its longest edge
-            return ProcessorLimit(kind, longest_edge=longest, shrinks=not kind.startswith("Idefics3"))
-        if shortest:
-            return ProcessorLimit(kind, shortest_edge=shortest)
-        if height and width:
-            return ProcessorLimit(kind, fixed=(width, height))
+        return rule(ip)
     except (AttributeError, TypeError, ValueError):
         return None
+
+
+def sized_limit(ip: Any, shrinks: bool = True) -> ProcessorLimit | None:
+    """By the processor's size fields: Qwen's smart_resize (``max_pixels`` and ``merge_size``), else a
+    longest edge, a shortest edge or a fixed size. ``shrinks``: whether a processor that scales to its
+    longest edge makes fewer tokens of fewer pixels (Pixtral's, Mistral 3's; not SmolVLM's, which scales up)."""
+    kind = type(ip).__name__
+    if getattr(ip, "max_pixels", None) and getattr(ip, "merge_size", None):
+        return ProcessorLimit(kind, area=int(ip.max_pixels), takes_pixel_kwargs=True, shrinks=True)
+    size = getattr(ip, "size", None)
+    longest, shortest = _field(size, "longest_edge"), _field(size, "shortest_edge")
+    height, width = _field(size, "height"), _field(size, "width")
+    if longest:
+        return ProcessorLimit(kind, longest_edge=longest, shrinks=shrinks)
+    if shortest:
+        return ProcessorLimit(kind, shortest_edge=shortest)
+    if height and width:
+        return ProcessorLimit(kind, fixed=(width, height))
     return None
 
 
-def _lfm2_limit(ip: Any) -> ProcessorLimit:
+def gemma4_limit(ip: Any) -> ProcessorLimit:
+    """Gemma 4: resized, aspect kept, to at most ``max_soft_tokens`` pooled patches, a budget a request
+    may lower (``detail: low``)."""
+    patches = int(ip.max_soft_tokens) * int(ip.pooling_kernel_size) ** 2
+    return ProcessorLimit(type(ip).__name__, area=patches * int(ip.patch_size) ** 2, soft_tokens=int(ip.max_soft_tokens))
+
+
+def llava_next_limit(ip: Any) -> ProcessorLimit:
+    """LLaVA-NeXT: the CLIP view (its shortest edge) and the anyres grid, fitted into one of its pinpoints."""
+    boxes = tuple((int(w), int(h)) for h, w in ip.image_grid_pinpoints)
+    return ProcessorLimit(type(ip).__name__, shortest_edge=_field(ip.size, "shortest_edge"), boxes=boxes)
+
+
+def lfm2_limit(ip: Any) -> ProcessorLimit:
     """LFM2-VL: one view smart-resized to at most ``max_image_tokens`` tokens or, for a large image with
     splitting on, a grid of ``tile_size`` tiles (the image resized to exactly the grid) plus that view."""
     unit = int(ip.encoder_patch_size) * int(ip.downsample_factor)

@@ -22,7 +22,7 @@ from PIL import Image
 from vlmserve.engine.params import HostArray, ImageItem, PromptInputs
 from vlmserve.preprocess.control import ControlTokens
 from vlmserve.preprocess.image_items import image_items, picture_hash
-from vlmserve.preprocess.image_sizes import ProcessorLimit, processor_limit
+from vlmserve.preprocess.image_sizes import ProcessorLimit
 from vlmserve.preprocess.template import TemplateInfo, adapt_messages, inspect_template
 from vlmserve.preprocess.video import Video, VideoSampling, processor_sampling
 
@@ -230,14 +230,16 @@ class PromptBuilder:
     reasoning_probes: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def for_processor(cls, processor: Any, copies: int = 0, hints: CacheHints = CacheHints()) -> PromptBuilder:
+    def for_processor(cls, processor: Any, copies: int = 0, hints: CacheHints = CacheHints(),
+                      limit: ProcessorLimit | None = None) -> PromptBuilder:
         """The builder, with ``copies`` processor copies made now (one per pool thread: a copy of a
-        large vocabulary's tokenizer is worth making before the first request, not during it)."""
+        large vocabulary's tokenizer is worth making before the first request, not during it).
+        ``limit``: what the processor keeps of an image, the model adapter's fact (None: decoded whole)."""
         # A video token but no video processor: SmolVLM2, which was trained on videos as time-stamped frames
         video_token = isinstance(getattr(processor, "video_token", None), str)
         frames = video_token and getattr(processor, "video_processor", None) is None
         builder = cls(processor, inspect_template(templater_of(processor)),
-                      ControlTokens.of(processor, tokenizer_of(processor)), processor_limit(processor),
+                      ControlTokens.of(processor, tokenizer_of(processor)), limit,
                       media_token_ids(processor), processor_sampling(processor) if video_token else None, frames,
                       hints)
         for _ in range(copies):

@@ -6,35 +6,19 @@ family only where it differs (cache, embedding call, per-row decode state, chunk
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import mlx.nn as nn
 
 from vlmserve.engine.models.base import Embedded, ModelAdapter
 from vlmserve.engine.models.gemma import Gemma3Adapter, Gemma4Adapter, PaliGemmaAdapter
+from vlmserve.engine.models.lfm2_vl import LFM2VLAdapter
 from vlmserve.engine.models.llava import LlavaAdapter, LlavaNextAdapter
 from vlmserve.engine.models.mistral import MistralAdapter
-from vlmserve.engine.models.qwen import MRoPEAdapter, Qwen3VLAdapter
-
-
-class BatchEmbedAdapter(ModelAdapter):
-    """Families the default serves whose ``get_input_embeddings`` also takes a padded batch (tested)."""
-
-    model_types: ClassVar[tuple[str, ...]] = ("smolvlm", "lfm2_vl")
-    batch_embed: ClassVar[bool] = True
-
-    @property
-    def mm_prefix_exact(self) -> bool:
-        # LFM2-VL: an image's span, tiles and thumbnail between <|image_start|> and <|image_end|>, holds
-        # special tokens only (span_token_ids), so it is one run of the key; hashed whole in phase 1.
-        # Not SmolVLM: its spans hold newline text tokens between tile rows.
-        return str(getattr(self.model.config, "model_type", "")) == "lfm2_vl"
-
-
+from vlmserve.engine.models.qwen import MRoPEAdapter, Qwen3VLAdapter, UntestedMRoPEAdapter
+from vlmserve.engine.models.smolvlm import SmolVLMAdapter
 
 _ADAPTERS: tuple[type[ModelAdapter], ...] = (
     Gemma3Adapter, Gemma4Adapter, PaliGemmaAdapter, MRoPEAdapter, Qwen3VLAdapter, MistralAdapter, LlavaAdapter,
-    LlavaNextAdapter, BatchEmbedAdapter,
+    LlavaNextAdapter, SmolVLMAdapter, LFM2VLAdapter,
 )  # fmt: skip
 
 # Every family with an adapter is tested here; others go through the default, untested.
@@ -45,11 +29,16 @@ class UnsupportedModelError(RuntimeError):
     """An architecture no adapter serves and the default cannot."""
 
 
+def adapter_class(model_type: str) -> type[ModelAdapter] | None:
+    """The adapter of a supported family (None: untested); its class facts need no model."""
+    return next((a for a in _ADAPTERS if model_type in a.model_types), None)
+
+
 def adapter_for(model: nn.Module, model_type: str) -> ModelAdapter:
     """The family's adapter; the default for untested families that look like the default's."""
-    for adapter in _ADAPTERS:
-        if model_type in adapter.model_types:
-            return adapter(model)
+    adapter = adapter_class(model_type)
+    if adapter is not None:
+        return adapter(model)
     language_model = getattr(model, "language_model", None)
     if language_model is None or not hasattr(model, "get_input_embeddings"):
         raise UnsupportedModelError(
@@ -57,8 +46,8 @@ def adapter_for(model: nn.Module, model_type: str) -> ModelAdapter:
             f"or get_input_embeddings; supported families: {', '.join(SUPPORTED_FAMILIES)}"
         )
     if hasattr(language_model, "_rope_deltas"):  # an M-RoPE family we have not seen
-        return MRoPEAdapter(model)
+        return UntestedMRoPEAdapter(model)
     return ModelAdapter(model)
 
 
-__all__ = ["SUPPORTED_FAMILIES", "Embedded", "ModelAdapter", "UnsupportedModelError", "adapter_for"]
+__all__ = ["SUPPORTED_FAMILIES", "Embedded", "ModelAdapter", "UnsupportedModelError", "adapter_class", "adapter_for"]

@@ -30,6 +30,7 @@ from mlx_vlm.speculative.common import verify_forward
 
 from vlmserve.engine.kv_quant import KVQuant
 from vlmserve.engine.params import ImageItem, PromptInputs
+from vlmserve.preprocess.image_sizes import ProcessorLimit, limit_of, sized_limit
 
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")  # what the vision tower reads; never language-model keywords
 # What only the vision tower reads besides: never a language-model keyword either. SmolVLM's mask is
@@ -111,11 +112,10 @@ class ModelAdapter:
     @property
     def exact_verifier(self) -> bool:
         """Does the language model verify drafts with its own exact verifier (``speculative_verify``)?
-        Qwen3.5 and LFM2 do: it records their recurrent and convolution states at each position, so a
-        row's state after its last accepted token can be kept (``rollback_speculative_cache``)."""
-        lm = self.language_model
-        own = callable(getattr(lm, "speculative_verify_logits", None))  # Qwen3.5
-        return own or type(lm).__module__.startswith("mlx_vlm.models.lfm2")
+        Qwen3.5 and LFM2-VL do: it records their recurrent and convolution states at each position, so a
+        row's state after its last accepted token can be kept (``rollback_speculative_cache``). By default:
+        where the language model has ``speculative_verify_logits`` (Qwen3.5's); LFM2-VL's adapter says so."""
+        return callable(getattr(self.language_model, "speculative_verify_logits", None))
 
     @property
     def mm_prefix_limit(self) -> int | None:
@@ -123,6 +123,21 @@ class ModelAdapter:
         only their window, so beyond it a restored prefix is not what a whole prefill computes."""
         window = getattr(getattr(self.model.config, "text_config", None), "sliding_window", None)
         return int(window) if isinstance(window, int) else None
+
+    @classmethod
+    def processor_limit(cls, processor: Any) -> ProcessorLimit | None:
+        """How much of an image the family's processor keeps, so that decoding may stop there (None:
+        decoded whole). Read from the processor alone, before any model: by default its size fields."""
+        return limit_of(processor, sized_limit)
+
+    @property
+    def decoder(self) -> Any | None:
+        """The language model's decoder, whose ``layers`` a pipeline stage splits: ``language_model.model``,
+        or the language model itself where it holds them; None where neither does."""
+        for inner in (getattr(self.language_model, "model", None), self.language_model):
+            if isinstance(getattr(inner, "layers", None), list):
+                return inner
+        return None
 
     def media_token_ids(self) -> frozenset[int]:
         """The image (and video) placeholder token ids the model's config names, and the tokens its

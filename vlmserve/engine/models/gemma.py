@@ -15,12 +15,19 @@ from mlx_vlm.models.base import create_attention_mask
 
 from vlmserve.engine.models.base import ModelAdapter
 from vlmserve.engine.params import ImageItem, PromptInputs
+from vlmserve.preprocess.image_sizes import ProcessorLimit, gemma4_limit, limit_of
 
 
 class Gemma3Adapter(ModelAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("gemma3",)
     chunk_images: ClassVar[bool] = False
     vision_cache: ClassVar[bool] = True
+
+    @classmethod
+    def processor_limit(cls, processor: Any) -> ProcessorLimit | None:
+        if getattr(getattr(processor, "image_processor", None), "do_pan_and_scan", False):
+            return None  # its crops come from the full image
+        return super().processor_limit(processor)  # resized to exactly its size
 
     @property
     def mm_prefix_exact(self) -> bool:
@@ -52,6 +59,10 @@ class Gemma4Adapter(ModelAdapter):
     batch_embed: ClassVar[bool] = True
     vision_cache: ClassVar[bool] = True
     layer_returns_tuple: ClassVar[bool] = True
+
+    @classmethod
+    def processor_limit(cls, processor: Any) -> ProcessorLimit | None:
+        return limit_of(processor, gemma4_limit)
 
     @property
     def mm_prefix_exact(self) -> bool:

@@ -7,11 +7,12 @@ and a second image, which mlx-vlm would silently drop, is refused.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import mlx.core as mx
 
 from vlmserve.engine.models.base import ModelAdapter
+from vlmserve.preprocess.image_sizes import ProcessorLimit, limit_of, llava_next_limit
 
 
 class LlavaAdapter(ModelAdapter):
@@ -37,3 +38,7 @@ class LlavaAdapter(ModelAdapter):
 class LlavaNextAdapter(ModelAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("llava_next",)
     max_images: ClassVar[int | None] = 1
+
+    @classmethod
+    def processor_limit(cls, processor: Any) -> ProcessorLimit | None:
+        return limit_of(processor, llava_next_limit)  # its CLIP view, and its anyres grid's pinpoints

@@ -46,7 +46,7 @@ class MRoPEAdapter(ModelAdapter):
         # Image tokens causal, and every chunk's M-RoPE positions from the whole prompt's grids (tested
         # against whole prefills). Qwen3.5's recurrent layers keep state a prefix cannot be cut back to:
         # its prefixes are snapshots taken at a prompt's stem (SchedulerConfig.snapshots).
-        return str(getattr(self.model.config, "model_type", "")) in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+        return True
 
     def row_state(self, features: dict[str, Any]) -> dict[str, mx.array]:
         deltas = features.get("rope_deltas")
@@ -66,3 +66,14 @@ class Qwen3VLAdapter(MRoPEAdapter):
         # In a left-padded batch with images, mlx-vlm's DeepStack merge changed the tokens of
         # the batch's other rows (measured); image prompts prefill on their own.
         return not prompt.has_images
+
+
+class UntestedMRoPEAdapter(MRoPEAdapter):
+    """An M-RoPE family no adapter names (``adapter_for``'s guess): Qwen's call path, but an image
+    prompt's restored prefix is not trusted to continue exactly."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def mm_prefix_exact(self) -> bool:
+        return False
