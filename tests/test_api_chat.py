@@ -135,3 +135,22 @@ def test_health_ready_and_metrics(server, client, model_name):
                  "vlmserve_completion_tokens_total", "vlmserve_queue_depth", "vlmserve_batch_size",
                  "vlmserve_step_seconds", "vlmserve_running_requests"):
         assert name in metrics, name
+
+
+def test_min_tokens_holds_the_end_back_and_what_it_cannot_do_is_a_400(server, client, model_name):
+    """vLLM's ``min_tokens`` through the openai client: a +100 bias on the end of turn ends the answer at once,
+    and with ``min_tokens`` 7 after exactly 7 tokens. Over ``max_tokens``, or beside a grammar that must be
+    free to end, it is a 400 naming the field."""
+    messages = [{"role": "user", "content": "hello"}]
+    end = httpx.post(server.url + "/tokenize", json={"model": model_name, "prompt": "<turn|>",
+                                                     "add_special_tokens": False}, timeout=30)
+    (turn_end,) = end.json()["tokens"]
+    forced = dict(temperature=0, max_tokens=20, logit_bias={str(turn_end): 100})
+    at_once = client.chat.completions.create(model=model_name, messages=messages, **forced)
+    held = client.chat.completions.create(model=model_name, messages=messages, **forced, extra_body={"min_tokens": 7})
+    assert at_once.usage.completion_tokens == 0 and at_once.choices[0].finish_reason == "stop"
+    assert held.usage.completion_tokens == 7 and held.choices[0].finish_reason == "stop"
+    for extra in ({"min_tokens": 21}, {"min_tokens": 3, "response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=model_name, messages=messages, **forced, extra_body=extra)
+        assert refused.value.body["param"] == "min_tokens" or "min_tokens" in refused.value.message

@@ -118,10 +118,15 @@ def test_responses_and_messages_honour_vllms_sampling_extensions_or_refuse_them(
     r = httpx.post(demo_f32_server.url + "/v1/messages", json={**claude, "ignore_eos": True}, timeout=60).json()
     assert r["usage"]["output_tokens"] == 40
 
-    for path, body in (("/v1/responses", {**ask, "min_tokens": 5}), ("/v1/messages", {**claude, "best_of": 2})):
+    held = httpx.post(demo_f32_server.url + "/v1/responses", json={**ask, "min_tokens": 30}, timeout=60).json()
+    assert short["usage"]["output_tokens"] < 30 <= held["usage"]["output_tokens"]  # its end held back
+    r = httpx.post(demo_f32_server.url + "/v1/messages", json={**claude, "min_tokens": 30}, timeout=60).json()
+    assert r["usage"]["output_tokens"] >= 30
+
+    for path, body in (("/v1/responses", {**ask, "use_beam_search": True}), ("/v1/messages", {**claude, "best_of": 2})):
         r = httpx.post(demo_f32_server.url + path, json=body, timeout=60)
         assert r.status_code == 400, r.text
-        assert ("min_tokens" if "min_tokens" in body else "best_of") in r.text
+        assert ("use_beam_search" if "use_beam_search" in body else "best_of") in r.text
 
 
 def test_chat_prompt_logprobs_are_vllms_and_come_back_when_the_answer_stops_at_once(demo_f32_server, demo_reference):

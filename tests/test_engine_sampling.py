@@ -146,3 +146,53 @@ def test_bounded_queue_fails_fast_when_full(gemma4_micro):
             return await collect(engine, "after", "hi", [], SamplingParams(max_tokens=3))
 
     assert asyncio.run(scenario()).finish_reason in ("length", "stop")
+
+
+def test_min_tokens_holds_the_stop_tokens_and_strings_back_until_it_is_reached(gemma4_micro):
+    """vLLM's ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled, nor a stop string end the
+    request, before that many tokens. An EOS forced by +100 comes at token 6 with ``min_tokens`` 5 (and at
+    once without); a stop token the plain decode meets early is ruled out until then, the tokens before
+    being what a -inf bias on it gives; a stop string ends only text after it. A neighbour in the same
+    batch decodes as it does alone."""
+    from vlmserve.engine.speculative import SpeculativeConfig
+
+    async def scenario(**config):
+        async with running_engine(gemma4_micro, max_batch_size=4, **config) as engine:
+            eos = min(engine.loaded.eos_token_ids)
+            (ref,) = [await collect(engine, "ref", "hello", [], SamplingParams(max_tokens=20, ignore_eos=True))]
+            stop = ref.token_ids[2]
+            forced = {"logit_bias": ((eos, 100.0),), "max_tokens": 20}
+            cases = {
+                "forced": SamplingParams(**forced), "forced_held": SamplingParams(**forced, min_tokens=5),
+                "stopped": SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,)),
+                "stop_held": SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,), min_tokens=12),
+                "banned": SamplingParams(max_tokens=12, ignore_eos=True, logit_bias=((stop, -100.0),)),
+                "string_held": SamplingParams(max_tokens=20, ignore_eos=True, stop=(ref.text[:2],), min_tokens=3),
+                "neighbour": SamplingParams(max_tokens=20, ignore_eos=True),
+            }
+            got = dict(zip(cases, await asyncio.gather(*(collect(engine, name, "hello", [], p)
+                                                         for name, p in cases.items()))))
+            # Drafts (here the request's own prediction of its answer, past its end) come only once a row
+            # is past min_tokens: a verify step samples several positions at one count of tokens made
+            right = (*got["forced_held"].token_ids, *ref.token_ids)
+            got["predicted"] = await collect(engine, "predicted", "hello", [],
+                                             SamplingParams(**forced, min_tokens=5, prediction=right))
+            return ref, stop, eos, got
+
+    for config in ({}, {"speculative": SpeculativeConfig(prompt_lookup_min=1, adaptive=False)}):
+        ref, stop, eos, out = asyncio.run(scenario(**config))
+        assert out["forced"].token_ids == [] and out["forced"].finish_reason == "stop"
+        assert len(out["forced_held"].token_ids) == 5 and out["forced_held"].finish_reason == "stop", config
+        assert eos not in out["forced_held"].token_ids
+        assert out["predicted"].token_ids == out["forced_held"].token_ids, config
+        assert out["stopped"].token_ids == ref.token_ids[:ref.token_ids.index(stop)]
+        held = out["stop_held"].token_ids
+        assert len(held) >= 12 and held[:12] == out["banned"].token_ids, config
+        assert stop not in held[:12]
+        assert out["string_held"].text.startswith(ref.text[:2]) and len(out["string_held"].token_ids) >= 3
+        assert out["neighbour"].token_ids == ref.token_ids
+
+
+def test_min_tokens_over_max_tokens_is_refused():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)

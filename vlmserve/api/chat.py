@@ -150,6 +150,9 @@ async def _open(req: ChatCompletionRequest, http: Request, state: ServerState, r
     opens_reasoning = engine.opens_reasoning_with(chat.template_kwargs)  # enable_thinking: false closes it
     wanted = guide_spec(req, served.tool_parser)
     if wanted is not None:
+        if params.min_tokens:  # the grammar's end is a stop token: it could not end
+            raise bad_request(f"min_tokens: not with {wanted[1]} (a constrained answer ends where its grammar does)",
+                              "min_tokens", "unsupported_value")
         try:
             params = dataclasses.replace(params, guide=await engine.guide(wanted[0], opens_reasoning))
         except (GuideError, ValueError) as exc:

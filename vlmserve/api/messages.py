@@ -56,10 +56,10 @@ def template_kwargs(defaults: Mapping[str, Any], given: Mapping[str, Any] | None
 
 # vLLM's sampling extensions, as a chat request takes them: Responses and Messages honour them the same way
 HONOURED_EXTENSIONS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
-                       "frequency_penalty", "repetition_penalty", "logit_bias")
+                       "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
 # vLLM's sampling extensions this server does not run, with the value that asks for nothing: another is a 400
 UNHONOURED_EXTENSIONS: dict[str, Any] = {
-    "min_tokens": 0, "best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
+    "best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
     "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None,
 }  # fmt: skip
@@ -302,6 +302,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: bo
             stop=stops,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             logit_bias=_logit_bias(req.logit_bias or {}, vocab_size),

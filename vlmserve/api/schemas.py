@@ -137,6 +137,7 @@ class SamplingFields(_Lenient):
     # Extensions, as vLLM and mlx-lm name them.
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0)
 
 
 class ChatCompletionRequest(SamplingFields):

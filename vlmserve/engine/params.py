@@ -34,6 +34,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # vLLM's: the request's stop tokens (EOS, stop_token_ids) cannot be sampled, nor stop strings end it,
+    # before this many tokens
+    min_tokens: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True  # False keeps tool-call markers in the text for the parser
@@ -49,6 +52,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:

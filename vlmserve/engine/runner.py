@@ -347,9 +347,10 @@ class ModelRunner:
                       ) -> tuple[list[Sample], list[RowState]]:
         """Each prompt's first token, and the sampling row it takes into the decode batch; ``forks``
         (one prompt, n > 1): more rows sampled from its logits, each with its own sampling."""
-        sampling = [RowState.create(r.params, r.prompt.input_ids) for r in rows]
+        eos = self.loaded.eos_token_ids
+        sampling = [RowState.create(r.params, r.prompt.input_ids, eos) for r in rows]
         if forks:
-            sampling += [RowState.create(p, rows[0].prompt.input_ids) for p in forks]
+            sampling += [RowState.create(p, rows[0].prompt.input_ids, eos) for p in forks]
             logits = mx.concatenate([logits] * len(sampling))
         sampled = sample(logits, sampling, allowed=guided.allowed(sampling, logits.shape[-1]))
         for row in rows:

@@ -1,16 +1,17 @@
-"""[worker] Per-row sampling over one step's logits: greedy, temperature, top-k/p, min-p, penalties, bias, logprobs.
+"""[worker] Per-row sampling over one step's logits: greedy, temperature, top-k/p, min-p, penalties, bias,
+min_tokens, logprobs.
 
 ``sample`` builds the graph and evaluates nothing, so the runner can dispatch a decode step with
 ``mx.async_eval`` and read it a step later. Only what some row needs is computed: greedy rows
 take an argmax of the raw logits; the full-vocabulary log-softmax runs only for rows that asked
 for logprobs; penalties keep each row's recent tokens on the device; a row's ``logit_bias`` goes to
-the device once.
+the device once; a row under its ``min_tokens`` has its stop tokens ruled out.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -31,13 +32,24 @@ class RowState:
     history: mx.array | None = None  # the last PENALTY_CONTEXT tokens, for penalties only
     matcher: Any = None  # constrained decoding: this request's own copy of its grammar's matcher (engine/guided.py)
     bias: tuple[mx.array, mx.array] | None = None  # logit_bias as device arrays (ids, values), made at first use
+    # min_tokens: the tokens that would stop the row (EOS unless ignored, stop_token_ids), ruled out while
+    # fewer than min_tokens have been sampled for it (``made``; a verify step counts every position it
+    # samples, but rows draft only once past min_tokens, so the count is exact while it matters)
+    holds: tuple[int, ...] = ()
+    made: int = 0
+    held: mx.array | None = None  # ``holds`` as a device array, made at first use
 
     @classmethod
-    def create(cls, params: SamplingParams, context: Sequence[int]) -> RowState:
+    def create(cls, params: SamplingParams, context: Sequence[int], eos_token_ids: Iterable[int] = ()) -> RowState:
         key = mx.random.key(params.seed) if params.seed is not None else None
         history = mx.array(list(context[-PENALTY_CONTEXT:]), dtype=mx.int32) if params.needs_history else None
         matcher = params.guide.template.deep_copy() if params.guide is not None else None
-        return cls(params, key, history, matcher)
+        stops = {*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}
+        return cls(params, key, history, matcher, holds=tuple(sorted(stops)) if params.min_tokens else ())
+
+    @property
+    def holding(self) -> bool:
+        return bool(self.holds) and self.made < self.params.min_tokens
 
 
 @dataclass(slots=True)
@@ -74,8 +86,11 @@ def sample(logits: mx.array, rows: Sequence[RowState], inputs: mx.array | None =
     just fed, which join each penalised row's history first; ``allowed`` (``[B, vocab]`` bool, from
     constrained decoding) rules the other tokens out."""
     assert logits.shape[0] == len(rows)
-    if any(r.params.needs_history or r.params.logit_bias for r in rows):
-        logits = mx.concatenate([_bias(_penalize(logits[i], r, inputs, i), r)[None] for i, r in enumerate(rows)])
+    if any(r.params.needs_history or r.params.logit_bias or r.holding for r in rows):
+        logits = mx.concatenate([_hold(_bias(_penalize(logits[i], r, inputs, i), r), r)[None]
+                                 for i, r in enumerate(rows)])
+    for row in rows:
+        row.made += 1
     if allowed is not None:
         logits = mx.where(allowed, logits, -math.inf)
     wants = tuple((1 + r.params.top_logprobs) if r.params.logprobs else 0 for r in rows)
@@ -143,6 +158,15 @@ def _penalize(logits: mx.array, row: RowState, inputs: mx.array | None, i: int) 
         rp = p.repetition_penalty
         logits = mx.where(seen, mx.where(logits < 0, logits * rp, logits / rp), logits)
     return logits - p.presence_penalty * seen - p.frequency_penalty * counts
+
+
+def _hold(logits: mx.array, row: RowState) -> mx.array:
+    """One row (``[vocab]``) with its stop tokens ruled out while it is under its ``min_tokens``."""
+    if not row.holding:
+        return logits
+    if row.held is None:
+        row.held = mx.array([t for t in row.holds if t < logits.shape[-1]], dtype=mx.int32)
+    return logits.at[row.held].add(-math.inf) if row.held.size else logits
 
 
 def _bias(logits: mx.array, row: RowState) -> mx.array:

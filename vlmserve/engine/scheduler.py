@@ -249,7 +249,9 @@ class Scheduler:
         done = len(req.output_token_ids) + req.unread
         room = min(p.max_tokens - done, req.max_context - req.num_prompt_tokens - done) - 1
         k = min(k, room) + req.unread
-        if k <= req.unread or p.needs_history:  # penalties look at each token before it: no drafts
+        # Penalties look at each token before it, and a row under min_tokens rules its stop tokens out
+        # by its count of tokens made (sampler.RowState.made): no drafts for either
+        if k <= req.unread or p.needs_history or done < p.min_tokens:
             return []
         req.drafts_from_prediction = bool(p.prediction)
         if p.prediction:

@@ -427,7 +427,7 @@ class AsyncEngine:
         admitted = admitted if admitted is not None else time.monotonic()
         engine_done = False
         try:
-            output = OutputProcessor(self.tokenizer, params.stop, params.skip_special_tokens)
+            output = OutputProcessor.for_params(self.tokenizer, params)
             while True:
                 self._busy_since.pop(request_id, None)
                 step = await q.get()

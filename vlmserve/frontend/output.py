@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.request import StepOutput
 from vlmserve.frontend.detokenizer import IncrementalDetokenizer
 from vlmserve.tools.base import partial_marker_len
@@ -42,9 +43,11 @@ class OutputProcessor:
     Text that might be the start of a stop string is held back until it is certain.
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self._stop = tuple(s for s in stop if s)
+        self._min_tokens = min_tokens  # stop strings count only once more tokens than this have come (vLLM's)
         self._held = ""
         self.num_completion_tokens = 0
         self.stopped = False  # a stop string matched: the engine must abort the request
@@ -63,8 +66,12 @@ class OutputProcessor:
             out.rejected_prediction_tokens, out.stop_logprob,
         )
 
+    @classmethod
+    def for_params(cls, tokenizer: Any, params: SamplingParams) -> OutputProcessor:
+        return cls(tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
+
     def _apply_stop(self, text: str, final: bool) -> tuple[str, str | None]:
-        if not self._stop:
+        if not self._stop or self.num_completion_tokens <= self._min_tokens:
             return text, None
         buf = self._held + text
         hits = [(at, s) for s in self._stop if (at := buf.find(s)) >= 0]
