@@ -19,7 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 
 from vlmserve import __version__
-from vlmserve.api import probes
+from vlmserve.api import ollama, ollama_input, probes
 from vlmserve.api.anthropic import count_tokens, create_message
 from vlmserve.api.anthropic_input import CountTokensRequest, MessagesRequest
 from vlmserve.api.chat import create_chat_completion
@@ -142,6 +142,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     _model_routes(app, state)
     _api_routes(app, state)
+    _ollama_routes(app, state)
     _tokenizer_routes(app, state)
 
 
@@ -210,6 +211,33 @@ def _api_routes(app: FastAPI, state: ServerState) -> None:
         return await create_completion(body, request, state)
 
 
+def _ollama_routes(app: FastAPI, state: ServerState) -> None:
+    """Ollama's API (``/api/``), for the local apps that speak it."""
+    @app.post("/api/chat")
+    async def ollama_chat(body: ollama_input.ChatRequest, request: Request) -> Any:
+        return await ollama.chat(body, request, state)
+
+    @app.post("/api/generate")
+    async def ollama_generate(body: ollama_input.GenerateRequest, request: Request) -> Any:
+        return await ollama.generate(body, request, state)
+
+    @app.get("/api/tags")
+    async def ollama_tags() -> dict[str, Any]:
+        return ollama.tags(state)
+
+    @app.post("/api/show")
+    async def ollama_show(body: ollama_input.ShowRequest) -> dict[str, Any]:
+        return ollama.show(body, state)
+
+    @app.get("/api/ps")
+    async def ollama_ps() -> dict[str, Any]:
+        return ollama.ps(state)
+
+    @app.get("/api/version")
+    async def ollama_version() -> dict[str, str]:
+        return {"version": __version__}
+
+
 def _tokenizer_routes(app: FastAPI, state: ServerState) -> None:
     """vLLM's ``/tokenize``, ``/tokenizer_info`` and ``/detokenize``."""
     @app.post("/tokenize")
@@ -255,9 +283,9 @@ class RequestId:
 
 
 class RequireKey:
-    """The API key, checked from the headers of every ``/v1/`` request before any byte of its body is
-    read: a refused request costs no body memory (a 50 MB body without a key used to be read and
-    parsed first). ``Authorization: Bearer``, or ``x-api-key`` as Anthropic's clients send it. 401 with
+    """The API key, checked from the headers of every ``/v1/`` and ``/api/`` (Ollama's) request before any
+    byte of its body is read: a refused request costs no body memory (a 50 MB body without a key used to be
+    read and parsed first). ``Authorization: Bearer``, or ``x-api-key`` as Anthropic's clients send it. 401 with
     ``WWW-Authenticate: Bearer``. CORS preflights pass."""
 
     def __init__(self, app: Any, api_key: str, on_reject: Callable[[int, str | None], None] | None = None) -> None:
@@ -280,8 +308,9 @@ class RequireKey:
 
 
 def _keyed(path: str) -> bool:
-    """The paths the API key guards: the API, and the tokenizer (it runs phase 1, images and all)."""
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/tokenizer_info")
+    """The paths the API key guards: the APIs (Ollama's ``/api/`` too), and the tokenizer (it runs phase 1, images
+    and all)."""
+    return path.startswith(("/v1/", "/api/")) or path in ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 async def _reject(error: APIError, scope: dict[str, Any], receive: Any, send: Any,

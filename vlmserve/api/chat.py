@@ -113,15 +113,16 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, stat
 
 
 async def serve_call(body: ChatCompletionRequest, http: Request, state: ServerState, request_id: str,
-                     events: Events, whole: Callable[[Call, RequestOutput], dict[str, Any]]) -> Any:
-    """A request of the chat family (chat completions, Responses, Anthropic's Messages) run as the chat
-    request ``body``: its ``events`` when it streams, else ``whole`` of choice 0's last output; 499
-    when the client left first (the request is aborted)."""
+                     events: Events, whole: Callable[[Call, RequestOutput], dict[str, Any]],
+                     media_type: str = "text/event-stream") -> Any:
+    """A request of the chat family (chat completions, Responses, Anthropic's Messages, Ollama's chat and
+    generate) run as the chat request ``body``: its ``events`` (of ``media_type``) when it streams, else
+    ``whole`` of choice 0's last output; 499 when the client left first (the request is aborted)."""
     call = await open_call(body, http, state, request_id)
     if call is None:
         return JSONResponse({}, status_code=499)
     if body.stream:
-        return StreamingResponse(events(call), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(events(call), media_type=media_type, headers=SSE_HEADERS)
     last = await until_done_or_disconnect(http, run_to_end(call), lambda: [call.flight])
     if last is GONE:
         call.done("disconnected")

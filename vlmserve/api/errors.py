@@ -1,5 +1,6 @@
 """[loop] Errors with the right status, in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``)
-or, on the Anthropic Messages API's paths, in Anthropic's (``{"type": "error", "error": {"type", "message"}}``)."""
+or, on the Anthropic Messages API's paths, in Anthropic's (``{"type": "error", "error": {"type", "message"}}``),
+or on Ollama's (``/api/``), in Ollama's (``{"error": "message"}``)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ class APIError(Exception):
         self.headers = headers  # e.g. Retry-After (429, 503 while a model loads), WWW-Authenticate (401)
         self.logged = False
 
-    def body(self, anthropic: bool = False) -> dict[str, Any]:
+    def body(self, anthropic: bool = False, ollama: bool = False) -> dict[str, Any]:
+        if ollama:
+            return {"error": self.message}
         if anthropic:
             kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
             return {"type": "error", "error": {"type": kind, "message": self.message}}
@@ -34,7 +37,8 @@ class APIError(Exception):
 
     def response(self, path: str = "") -> JSONResponse:
         """The error as the API at ``path`` shapes it."""
-        return JSONResponse(self.body(anthropic_path(path)), status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(anthropic_path(path), ollama_path(path)), status_code=self.status,
+                            headers=self.headers)
 
 
 # Anthropic's error types by status (its SDKs pick their exception by status; the type says the same)
@@ -45,6 +49,11 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
 def anthropic_path(path: str) -> bool:
     """Whether ``path`` is the Anthropic Messages API's (its errors take Anthropic's shape)."""
     return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def ollama_path(path: str) -> bool:
+    """Whether ``path`` is Ollama's API's (its errors are ``{"error": "message"}``, as its clients read them)."""
+    return path.startswith("/api/")
 
 
 def first_line(exc: BaseException) -> str:
@@ -77,7 +86,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 def install_error_handlers(app: FastAPI, metrics: Any = None) -> None:
-    """Every error becomes the API's shape (OpenAI's, or Anthropic's on its paths); each is counted (``metrics.rejected``) and logged once."""
+    """Every error becomes the API's shape (OpenAI's, or Anthropic's or Ollama's on theirs); each is counted (``metrics.rejected``) and logged once."""
 
     def answer(request: Request, error: APIError) -> JSONResponse:
         if metrics is not None:
