@@ -166,3 +166,46 @@ def test_no_import_circles() -> None:
 
 def test_the_circle_check_finds_a_circle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _private_overrides(sources: list[str], base: str = "ModelRunner") -> list[str]:
+    """``Class.method`` for each method of a subclass of ``base`` (at any depth, classes known by name) that
+    overrides one of ``base``'s private (underscore, not dunder) methods."""
+    classes = {n.name: n for source in sources for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)}
+
+    def methods(cls: ast.ClassDef) -> set[str]:
+        return {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+    def bases(cls: ast.ClassDef) -> set[str]:
+        return {b.id if isinstance(b, ast.Name) else b.attr for b in cls.bases if isinstance(b, (ast.Name, ast.Attribute))}
+
+    private = {m for m in methods(classes[base]) if m.startswith("_") and not m.endswith("__")}
+    family, grown = {base}, True
+    while grown:
+        more = {name for name, cls in classes.items() if name not in family and bases(cls) & family}
+        family, grown = family | more, bool(more)
+    return sorted(f"{name}.{m}" for name in family - {base} for m in methods(classes[name]) & private)
+
+
+def test_no_runner_overrides_a_private_method_of_model_runner() -> None:
+    """A pipeline rank is a ``ModelRunner`` with a ``Rank`` (engine/runner.py), not a subclass that
+    rewrites the runner's insides."""
+    assert _private_overrides([p.read_text() for p in (PACKAGE / "engine").rglob("*.py")]) == []
+
+
+def test_the_override_check_finds_an_override() -> None:
+    old = """
+class ModelRunner:
+    def __init__(self): pass
+    def execute(self): pass
+    def _share(self): pass
+    def _guarded(self): pass
+class LeaderRunner(ModelRunner):
+    def __init__(self): pass
+    def _share(self): pass
+    def heartbeat(self): pass
+class Deeper(runner.LeaderRunner):
+    def _guarded(self): pass
+    def _own(self): pass
+"""
+    assert _private_overrides([old]) == ["Deeper._guarded", "LeaderRunner._share"]

@@ -26,10 +26,16 @@ from conftest import scene
 from PIL import Image
 from server_utils import PipelineProcess, free_port, image_data_url, start_pipeline, start_server, wait_for
 
+from vlmserve.engine.caches import EngineCaches
+from vlmserve.engine.loader import load_model
 from vlmserve.engine.models import Embedded
-from vlmserve.engine.pipeline import PipelineError, split_layers
-from vlmserve.engine.pipeline_runner import Link, StepMessage
-from vlmserve.engine.plan import PrefillChunk
+from vlmserve.engine.params import ImageItem, PromptInputs, SamplingParams
+from vlmserve.engine.pipeline import PipelineError, Stage, split_layers
+from vlmserve.engine.pipeline_runner import STOP, Follower, Leader, Link, StepMessage, Watch, for_followers
+from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, SchedulerOutput
+from vlmserve.engine.runner import ModelRunner
+from vlmserve.engine.worker import MLXWorkerThread
+from vlmserve.preprocess.prompt import PromptBuilder
 from vlmserve.testing import build_model
 from vlmserve.testing.build import ARCHS
 
@@ -326,13 +332,138 @@ def test_a_step_message_carries_embeddings_and_plan_unchanged():
     embedded = Embedded(embeds, {"position_ids": mx.ones((3, 1, 3), dtype=mx.int32), "grid": [mx.zeros((0,))],
                                  "visual_pos_masks": mx.array([[True, False, True]])},
                         {"rope_deltas": mx.array([[2]], dtype=mx.int32)})
-    message = StepMessage(finished=["a"], embedded={"b": embedded}, tokens=[5, 6],
-                          prefill=[PrefillChunk("b", 0, 3)], prefill_groups=[["b", "c"]])
+    plan = SchedulerOutput(new=[NewRequest("b", PromptInputs([1, 2, 3]), SamplingParams(seed=4))], decode=["d"],
+                           prefill=[PrefillChunk("b", 0, 3)], prefill_groups=[["b", "c"]], finished=["a"])
+    message = StepMessage(plan=plan, embedded={"b": embedded}, tokens=[5, 6])
     blob, arrays = Link._pack(message)
     back = Link._unpack(blob, arrays)
-    assert (back.finished, back.tokens, back.prefill, back.prefill_groups) == (["a"], [5, 6], message.prefill, [["b", "c"]])
+    assert (back.plan, back.tokens) == (plan, [5, 6])
     got = back.embedded["b"]
     assert mx.array_equal(got.inputs_embeds, embeds) and mx.array_equal(got.row_state["rope_deltas"], mx.array([[2]]))
     assert mx.array_equal(got.lm_kwargs["position_ids"], embedded.lm_kwargs["position_ids"])
     assert got.lm_kwargs["grid"][0].shape == (0,)
     assert got.lm_kwargs["visual_pos_masks"].dtype == mx.bool_
+
+
+def test_followers_get_the_plan_without_pixels_grammars_prefixes_or_what_failed_on_rank_0():
+    pixels = {"pixel_values": np.ones((4, 3)), "image_grid_thw": np.array([[1, 2, 2]])}
+    prompt = PromptInputs([1, 2, 3], pixels, 1, (ImageItem("k", pixels),))
+    new = [NewRequest("a", prompt, SamplingParams(seed=1), prefix=object(), forks=(("a1", SamplingParams()),)),
+           NewRequest("b", prompt, SamplingParams())]
+    plan = SchedulerOutput(new=new, encode=[EncodeChunk("a"), EncodeChunk("b")], decode=["d"], finished=["f"],
+                           prefill=[PrefillChunk("a", 0, 3), PrefillChunk("b", 0, 3), PrefillChunk("c", 0, 3)],
+                           prefill_groups=[["a", "b", "c"]])
+    theirs = for_followers(plan, {"b"})
+    (a,) = theirs.new
+    assert (a.request_id, a.prefix, a.params, a.forks, a.prompt.input_ids) == ("a", None, new[0].params,
+                                                                              new[0].forks, [1, 2, 3])
+    assert a.prompt.images == () and all(v.size == 0 for v in a.prompt.arrays.values())
+    assert theirs.encode == [] and [c.request_id for c in theirs.prefill] == ["a", "c"]
+    assert (theirs.prefill_groups, theirs.decode, theirs.finished) == ([["a", "c"]], ["d"], ["f"])
+    assert len(plan.new) == 2 and plan.new[0].prefix is not None  # rank 0's own plan is as it was
+
+
+# -- every rank runs the same step, without a launch ------------------------------------------
+
+
+class Wire:
+    """Stands in for the group: what rank 0 sends goes through ``Link``'s packing, its arrays through the
+    host (each rank's worker has arrays of its own), in order, to the other rank's ``receive``."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[bytes, list[tuple[np.ndarray, Any]]]] = []
+
+    def send(self, message: StepMessage) -> None:
+        blob, arrays = Link._pack(message)
+        self.messages.append((blob, [(np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a), a.dtype)
+                                     for a in arrays]))
+
+    def receive(self) -> StepMessage:
+        blob, arrays = self.messages.pop(0)
+        return Link._unpack(blob, [mx.array(a).astype(dtype) for a, dtype in arrays])
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Rank 0's runner (``Leader``) and another rank's (``Follower``), each on the whole model on its own
+    worker, joined by a ``Wire``; with a prompt builder."""
+    workers = [MLXWorkerThread(name=f"rank{i}") for i in (0, 1)]
+    for worker in workers:
+        worker.start()
+    path = str(build_model("qwen2_5_vl", "micro"))  # an image's M-RoPE state rides with its embeddings
+    loaded = [worker.call(load_model, path) for worker in workers]
+    layers = loaded[0].adapter.num_layers
+    wire = Wire()
+    leader = Leader(Stage(0, 2, 0, layers, layers), Watch(Stage(0, 2, 0, layers, layers), timeout_s=60))
+    follower = Follower(Stage(1, 2, 0, layers, layers))
+    leader.link = follower.link = wire  # type: ignore[assignment]
+    runners = (workers[0].call(ModelRunner, loaded[0], EngineCaches(None, None), leader),
+               workers[1].call(ModelRunner, loaded[1], None, follower))
+    yield workers, runners, wire, PromptBuilder.for_processor(loaded[0].processor)
+    for worker in workers:
+        worker.shutdown()
+
+
+def test_another_rank_runs_rank_0s_steps_into_the_same_batch_and_kv_and_samples_nothing(ranks):
+    """An image prompt (embedded on rank 0 only), a scored prompt, a prompt with a fork (n > 1), two
+    prompts in one forward, decode steps and an end: the same rows, KV and per-row state on both."""
+    workers, (rank0, rank1), wire, prompter = ranks
+    image = prompter.build([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}],
+                           [scene("circle", (220, 30, 30))])
+    text = [prompter.build([{"role": "user", "content": f"Say {w}."}]) for w in ("one", "two", "three", "four")]
+    new = [NewRequest("img", image, SamplingParams()), NewRequest("scored", text[0], SamplingParams(prompt_logprobs=2)),
+           NewRequest("n2", text[1], SamplingParams(temperature=0.9, seed=3),
+                      forks=(("n2-1", SamplingParams(temperature=0.9, seed=4)),)),
+           NewRequest("g1", text[2], SamplingParams()), NewRequest("g2", text[3], SamplingParams())]
+    ids = [n.request_id for n in new]
+
+    def lead() -> list[Any]:
+        outs = [rank0.execute(SchedulerOutput(new=new, encode=[EncodeChunk(r) for r in ids]))]
+        length = outs[0].prompt_lengths
+        chunks = [PrefillChunk(r, 0, length[r], forks=("n2-1",) if r == "n2" else ()) for r in ids]
+        outs.append(rank0.execute(SchedulerOutput(prefill=chunks, prefill_groups=[["g1", "g2"]])))
+        rows = [*ids, "n2-1"]
+        outs += [rank0.execute(SchedulerOutput(decode=rows)) for _ in range(3)]
+        outs.append(rank0.execute(SchedulerOutput(decode=[r for r in rows if r != "scored"], finished=["scored"])))
+        wire.send(StepMessage(STOP))
+        return outs
+
+    def follow() -> list[Any]:
+        outs, execute = [], rank1.execute
+        rank1.execute = lambda plan: outs.append(execute(plan)) or outs[-1]  # type: ignore[method-assign]
+        rank1.rank.follow(rank1)
+        return outs
+
+    led = workers[0].call(lead)
+    followed = workers[1].call(follow)
+    assert not any(o.errors for o in led) and led[1].samples.keys() == {*ids, "n2-1"}
+    assert led[1].samples["scored"].prompt_logprobs is not None and led[1].prefill_batches == 1
+    assert len(followed) == len(led) and not any(o.samples or o.errors for o in followed)
+
+    def state(runner: ModelRunner) -> Any:
+        batch = runner.batch
+        return batch.request_ids, [np.array(a) for c in batch.cache for a in c.state], \
+            {k: np.array(v) for k, v in batch.row_state.items()}, [s.params for s in batch.sampling]
+
+    (ids0, kv0, rows0, params0), (ids1, kv1, rows1, params1) = workers[0].call(state, rank0), workers[1].call(state, rank1)
+    assert ids0 == ids1 and set(ids0) == {"img", "n2", "n2-1", "g1", "g2"} and params0 == params1
+    assert len(kv0) == len(kv1) and all(np.array_equal(a, b) for a, b in zip(kv0, kv1))
+    assert rows0.keys() == rows1.keys() == {"rope_deltas"} and np.array_equal(rows0["rope_deltas"], rows1["rope_deltas"])
+
+
+def test_a_fault_ends_its_request_until_the_step_goes_out_then_the_pipeline(ranks):
+    """Before rank 0 sends the step a fault is one request's (and the others never see it); after, every
+    rank runs the part: the step raises. The watchdog stops waiting either way."""
+    workers, (rank0, _), wire, _ = ranks
+    alone = ModelRunner(rank0.loaded)
+    bad = NewRequest("bad", PromptInputs([1, 2]), SamplingParams(prompt_logprobs=1), num_cached=1)  # a broken invariant
+    ghost = SchedulerOutput(prefill=[PrefillChunk("ghost", 0, 1)])
+    leader = rank0.rank
+    assert isinstance(leader, Leader)
+
+    out = workers[0].call(rank0.execute, SchedulerOutput(new=[bad]))
+    assert "bad" in out.errors and wire.receive().plan.new == []
+    assert workers[0].call(alone.execute, ghost).errors.keys() == {"ghost"}
+    with pytest.raises(KeyError):
+        workers[0].call(rank0.execute, ghost)
+    assert wire.receive().plan.prefill == ghost.prefill and not leader.sent and leader.watch._since is None

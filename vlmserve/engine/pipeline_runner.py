@@ -1,13 +1,14 @@
-"""[worker] The pipeline's runners: rank 0 sends each step to every rank; each runs it on its slice.
+"""[worker] The pipeline's ranks: rank 0 sends each step to every rank; each runs it on its slice.
 
-Rank 0's ``LeaderRunner`` is the single-process runner with one more act per step: once the step's
-prompts are embedded (the vision tower is rank 0's alone), it sends the other ranks what they need
-to run the same step: the requests that end and enter, the embeddings (with their per-prompt
-keywords and decode state), the decode batch's input tokens, the prefill chunks and groups. Then
-every rank runs the same decode and prefill code in the same order; the hidden state hops from rank
-to rank inside the forward (pipeline.py), and rank 0 samples. The other ranks' ``FollowerRunner``
-keeps the same prompt rows and decode batch, so every cache operation (join, fork, filter) happens
-alike on every rank.
+Every rank runs one ``ModelRunner`` and the same ``execute`` on the same plan; its ``Rank`` says how
+it takes part. Rank 0's ``Leader``, once the step's prompts are embedded (the vision tower is rank 0's
+alone), sends the other ranks the plan as they run it (``for_followers``), the new prompts'
+embeddings (with their per-prompt keywords and decode state) and the decode batch's input tokens.
+Every other rank's ``Follower`` runs each plan it receives, taking those at the same point. Then
+every rank runs the same join, decode and prefill code in the same order; the hidden state hops from
+rank to rank inside the forward (pipeline.py), and rank 0 alone samples (the others have no head).
+Every rank keeps the same prompt rows and decode batch, so every cache operation (join, fork,
+filter) happens alike on every rank.
 
 Messages go over the group itself (``send``/``recv``, relayed rank to rank), so a Thunderbolt link
 (``jaccl``) carries them too. Faults: a rank that dies makes its neighbours' ``recv`` raise; one that
@@ -23,7 +24,7 @@ import logging
 import pickle
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -34,9 +35,8 @@ from vlmserve.engine.caches import EngineCaches
 from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.models import Embedded
 from vlmserve.engine.pipeline import Stage
-from vlmserve.engine.plan import NewRequest, PrefillChunk, RunnerOutput, Sample, SchedulerOutput
-from vlmserve.engine.runner import ModelRunner, PromptRow
-from vlmserve.engine.sampler import RowState
+from vlmserve.engine.plan import NewRequest, RunnerOutput, SchedulerOutput
+from vlmserve.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +48,24 @@ class StepMessage:
     """What rank 0 sends every rank for one step (``kind`` step), a heartbeat (ping) or the end (stop)."""
 
     kind: str = STEP
-    finished: list[str] = field(default_factory=list)
-    new: list[NewRequest] = field(default_factory=list)  # prompts without pixels, params without grammars
-    failed: list[str] = field(default_factory=list)  # requests rank 0 could not enter or embed
-    embedded: dict[str, Embedded] = field(default_factory=dict)
+    plan: SchedulerOutput = field(default_factory=SchedulerOutput)  # as the other ranks run it (for_followers)
+    embedded: dict[str, Embedded] = field(default_factory=dict)  # the prompts rank 0 embedded this step
     tokens: list[int] | None = None  # the decode batch's inputs, when the step decodes
-    prefill: list[PrefillChunk] = field(default_factory=list)
-    prefill_groups: list[list[str]] = field(default_factory=list)
+
+
+def for_followers(plan: SchedulerOutput, failed: Collection[str]) -> SchedulerOutput:
+    """The step as the other ranks run it once rank 0 has entered and embedded its prompts: without the
+    requests that ``failed`` there, nothing to encode (the embeddings go with it), and each new request
+    with its token ids and sampling, no pixels, no grammar (rank 0 samples), no prefix (the prefix
+    caches are off)."""
+    def stripped(new: NewRequest) -> NewRequest:
+        prompt = replace(new.prompt, arrays={k: np.zeros(0) for k in new.prompt.arrays}, images=())
+        forks = tuple((rid, replace(p, guide=None)) for rid, p in new.forks)
+        return replace(new, prompt=prompt, params=replace(new.params, guide=None), prefix=None, forks=forks)
+
+    return replace(plan, new=[stripped(n) for n in plan.new if n.request_id not in failed], encode=[],
+                   prefill=[c for c in plan.prefill if c.request_id not in failed],
+                   prefill_groups=[[r for r in g if r not in failed] for g in plan.prefill_groups])
 
 
 # -- the wire -----------------------------------------------------------------------------
@@ -166,14 +177,6 @@ class Link:
         return blob, arrays
 
 
-def _for_followers(new: NewRequest) -> NewRequest:
-    """A new request as the other ranks need it: its token ids and sampling, no pixels (they get
-    the embeddings), no grammar (rank 0 samples), no prefix (the prefix caches are off)."""
-    prompt = replace(new.prompt, arrays={k: np.zeros(0) for k in new.prompt.arrays}, images=())
-    forks = tuple((rid, replace(p, guide=None)) for rid, p in new.forks)
-    return replace(new, prompt=prompt, params=replace(new.params, guide=None), prefix=None, forks=forks)
-
-
 # -- the watchdog -------------------------------------------------------------------------
 
 
@@ -230,44 +233,40 @@ class Watch:
                 self.on_stuck()
 
 
-# -- the runners --------------------------------------------------------------------------
+# -- the ranks ----------------------------------------------------------------------------
 
 
-class LeaderRunner(ModelRunner):
-    """Rank 0: the single-process runner, which sends each step to the other ranks before the
-    language model runs (``_share``)."""
+class Leader:
+    """Rank 0: samples, and sends each step to the other ranks before the language model runs. From
+    then on a fault would leave the ranks' states apart: it ends the pipeline, not one request."""
 
-    def __init__(self, loaded: LoadedModel, caches: EngineCaches, stage: Stage, watch: Watch) -> None:
-        super().__init__(loaded, caches)
+    samples = True
+
+    def __init__(self, stage: Stage, watch: Watch) -> None:
         self.stage = stage
         self.link = Link(stage)
         self.watch = watch
-        self._shared = False
+        self.sent = False  # this step went out to the other ranks
 
-    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        try:
-            return super().execute(plan)
-        finally:
-            self._shared = False
-            self.watch.done()
-
-    def _share(self, plan: SchedulerOutput, out: RunnerOutput) -> None:
+    def share(self, runner: ModelRunner, plan: SchedulerOutput, out: RunnerOutput) -> None:
+        """Send the plan as the others run it, the prompts embedded this step and the decode batch's
+        inputs (read now: this waits for the step that computes them)."""
         self.watch.start("a step")  # not before: the vision tower, rank 0's alone, may take its time
         tokens = None
-        if plan.decode and self.batch.tokens is not None:
-            tokens = cast(list[int], self.batch.tokens.tolist())
+        if plan.decode and runner.batch.tokens is not None:
+            tokens = cast(list[int], runner.batch.tokens.tolist())
         embedded = {rid: row.embedded for rid in out.prompt_lengths if rid not in out.errors
-                    for row in [self.prompts.get(rid)] if row is not None and row.embedded is not None}
-        self.link.send(StepMessage(STEP, list(plan.finished), [_for_followers(n) for n in plan.new],
-                                   list(out.errors), embedded, tokens, list(plan.prefill),
-                                   [list(g) for g in plan.prefill_groups]))
-        self._shared = True
+                    for row in [runner.prompts.get(rid)] if row is not None and row.embedded is not None}
+        self.link.send(StepMessage(STEP, for_followers(plan, out.errors), embedded, tokens))
+        self.sent = True
 
-    def _guarded(self, out: RunnerOutput, request_ids: list[str], fn: Callable[..., object], *args: object) -> None:
-        if self._shared:  # every rank runs this part too: a fault here leaves them apart, so it ends the pipeline
-            fn(*args)
-            return
-        super()._guarded(out, request_ids, fn, *args)
+    def on_fault(self, exc: Exception) -> None:
+        if self.sent:  # every rank runs this part too
+            raise exc
+
+    def done(self) -> None:
+        self.sent = False
+        self.watch.done()
 
     def heartbeat(self) -> None:
         """Ping every rank (between steps, on the worker) under the watchdog."""
@@ -280,48 +279,64 @@ class LeaderRunner(ModelRunner):
         self.stage.bell.close()
 
 
-class FollowerRunner(ModelRunner):
-    """A rank other than 0: runs rank 0's steps on its slice; samples nothing."""
+class Follower:
+    """A rank other than 0: runs each step rank 0 sends, on its slice; samples nothing (it has no head),
+    and any fault ends the pipeline (rank 0 ran the part already: it cannot be one request's)."""
 
-    def __init__(self, loaded: LoadedModel, stage: Stage) -> None:
-        super().__init__(loaded)
+    samples = False
+
+    def __init__(self, stage: Stage) -> None:
         self.stage = stage
         self.link = Link(stage)
+        self.step: StepMessage | None = None  # the step being run, as rank 0 sent it
+
+    def follow(self, runner: ModelRunner) -> None:
+        """Run every step rank 0 sends until it says stop (raises when a rank is lost)."""
+        while (message := self.link.receive()).kind != STOP:
+            if message.kind == STEP:
+                self.step = message
+                runner.execute(message.plan)
+
+    def share(self, runner: ModelRunner, plan: SchedulerOutput, out: RunnerOutput) -> None:
+        """Take what rank 0 sent with the step: the prompts it embedded, the decode batch's inputs."""
+        assert self.step is not None and self.step.plan is plan
+        for request_id, embedded in self.step.embedded.items():
+            runner.prompts[request_id].embedded = embedded
+        if self.step.tokens is not None:
+            runner.batch.tokens = mx.array(self.step.tokens, dtype=mx.int32)
+
+    def on_fault(self, exc: Exception) -> None:
+        raise exc
+
+    def done(self) -> None:
+        self.step = None
+
+
+# -- as server.py and AsyncEngine build them ------------------------------------------------
+
+
+class LeaderRunner(ModelRunner):
+    """Rank 0's runner: a ``ModelRunner`` as ``Leader``, with its heartbeat and close."""
+
+    def __init__(self, loaded: LoadedModel, caches: EngineCaches, stage: Stage, watch: Watch) -> None:
+        self.leader = Leader(stage, watch)
+        super().__init__(loaded, caches, self.leader)
+
+    def heartbeat(self) -> None:
+        self.leader.heartbeat()
+
+    def close(self) -> None:
+        self.leader.close()
+
+
+class FollowerRunner(ModelRunner):
+    """Another rank's runner: a ``ModelRunner`` as ``Follower``, which ``follow`` runs."""
+
+    def __init__(self, loaded: LoadedModel, stage: Stage) -> None:
+        self.stage = stage
+        self.follower = Follower(stage)
+        super().__init__(loaded, rank=self.follower)
 
     def follow(self) -> None:
         """Run every step rank 0 sends until it says stop (raises when a rank is lost)."""
-        while True:
-            message = self.link.receive()
-            if message.kind == STOP:
-                return
-            if message.kind == STEP:
-                self.run_step(message)
-
-    def run_step(self, message: StepMessage) -> None:
-        """The same parts as rank 0's ``execute``, in its order, from what rank 0 sent."""
-        out = RunnerOutput(errors=dict.fromkeys(message.failed, "failed on rank 0"))
-        self.remove(message.finished)
-        for new in message.new:
-            if new.request_id not in out.errors:
-                self._enter(new)
-        for request_id, embedded in message.embedded.items():
-            self.prompts[request_id].embedded = embedded
-        if message.tokens is not None:
-            self.batch.tokens = mx.array(message.tokens, dtype=mx.int32)
-            mx.eval(self.adapter.decode(self.batch.tokens[:, None], self.batch.cache or [], self.batch.row_state))
-        self._prefill_all(SchedulerOutput(prefill=message.prefill, prefill_groups=message.prefill_groups), out)
-
-    def _guarded(self, out: RunnerOutput, request_ids: list[str], fn: Callable[..., object], *args: object) -> None:
-        fn(*args)  # rank 0 ran this part already: a fault here cannot be one request's
-
-    def _prefill_scored(self, row: PromptRow, embedded: Embedded, chunk: PrefillChunk) -> mx.array:
-        logits = self.adapter.prefill(row.input_ids, embedded, chunk.start, chunk.end, row.cache, every_position=True)
-        last: mx.array = logits[-1:]
-        return last
-
-    def _sample_first(self, logits: mx.array, rows: list[PromptRow], forks: list[Any] | None = None
-                      ) -> tuple[list[Sample], list[RowState]]:
-        for row in rows:
-            row.embedded, row.hidden = None, None
-        n = len(rows) + len(forks or [])
-        return [Sample(0)] * n, cast(list[RowState], [None] * n)  # rank 0 sends each step's tokens
+        self.follower.follow(self)

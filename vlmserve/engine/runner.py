@@ -8,6 +8,9 @@ decode batch's left-padded caches (mlx-lm's PromptProcessingBatch -> GenerationB
 each prompt on its own is what lets prompts of any length, with or without images, join one decode
 batch: mlx-vlm's own batch prefill concatenates per-prompt 4-D masks and fails on gemma3 when
 lengths differ. Whole prompts the plan groups share one left-padded forward.
+
+A runner's ``Rank`` says how it takes part in a step: ``Alone`` in one process, or as one rank of a
+pipeline (pipeline_runner.py), where every rank runs this same ``execute`` on the same plan.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import numpy as np
@@ -64,10 +67,44 @@ class PromptRow:
     draft: DraftRows | None = None  # a drafter with a KV of its own: the prompt's positions in it so far
 
 
+class Rank(Protocol):
+    """How a runner takes part in each step on its rank: ``Alone``, or as rank 0 (``Leader``) or another
+    rank (``Follower``) of a pipeline, pipeline_runner.py. ``execute`` asks it at fixed points."""
+
+    samples: bool  # this rank holds the head: it samples each row's token and scores prompts
+
+    def share(self, runner: ModelRunner, plan: SchedulerOutput, out: RunnerOutput) -> None:
+        """Once the step's prompts are entered and embedded, before the language model runs: from here
+        every rank runs the same parts of the step."""
+
+    def on_fault(self, exc: Exception) -> None:
+        """A part of the step raised ``exc``: return to fail just the requests it touched, raise to end
+        the pipeline (the ranks' states would be apart)."""
+
+    def done(self) -> None:
+        """The step is over, or raised."""
+
+
+class Alone:
+    """One process, no pipeline: nothing to share, and a fault ends only its requests."""
+
+    samples = True
+
+    def share(self, runner: ModelRunner, plan: SchedulerOutput, out: RunnerOutput) -> None:
+        pass
+
+    def on_fault(self, exc: Exception) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+
 class ModelRunner:
     """Owns every MLX array of a request: its prompt row, then its decode-batch row."""
 
-    def __init__(self, loaded: LoadedModel, caches: EngineCaches | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, caches: EngineCaches | None = None, rank: Rank | None = None) -> None:
+        self.rank: Rank = rank if rank is not None else Alone()
         self.loaded = loaded
         self.adapter = loaded.adapter
         self.drafter = loaded.drafter  # speculative decoding's drafter model (engine/drafter.py), or None
@@ -80,27 +117,27 @@ class ModelRunner:
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one step's plan: forget, enter, encode, decode, prefill. A part that raises fails just
-        the requests it touched; they are in ``errors`` and the rest of the step goes on."""
+        the requests it touched (where the rank allows it); they are in ``errors`` and the rest of the
+        step goes on."""
         out = RunnerOutput()
         self.remove(plan.finished)
         for new in plan.new:
             self._guarded(out, [new.request_id], self._enter, new)
         self._encode_all(plan.encode, out)
-        self._share(plan, out)
-        for request_id in plan.join:
-            if (join := self.held.pop(request_id, None)) is not None:
-                self._guarded(out, [request_id], join)
-        if plan.decode and (plan.drafts or plan.draft_widths):
-            self._guarded(out, plan.decode, self._verify, plan, out)
-        elif plan.decode:
-            self._guarded(out, plan.decode, lambda: out.samples.update(self.decode(out.errors)))
-            out.unread.update(plan.decode)
-        self._prefill_all(plan, out)
+        try:
+            self.rank.share(self, plan, out)
+            for request_id in plan.join:
+                if (join := self.held.pop(request_id, None)) is not None:
+                    self._guarded(out, [request_id], join)
+            if plan.decode and (plan.drafts or plan.draft_widths):
+                self._guarded(out, plan.decode, self._verify, plan, out)
+            elif plan.decode:
+                self._guarded(out, plan.decode, lambda: out.samples.update(self.decode(out.errors)))
+                out.unread.update(plan.decode)
+            self._prefill_all(plan, out)
+        finally:
+            self.rank.done()
         return out
-
-    def _share(self, plan: SchedulerOutput, out: RunnerOutput) -> None:
-        """Between the embedding and the language model: nothing alone; a pipeline's rank 0 sends the
-        step to the other ranks here (pipeline_runner.py)."""
 
     def _encode_all(self, pieces: list[EncodeChunk], out: RunnerOutput) -> None:
         whole = [c.request_id for c in pieces if c.whole and c.request_id not in out.errors]
@@ -123,10 +160,12 @@ class ModelRunner:
                 self._guarded(out, [chunk.request_id, *chunk.forks], self._prefill, chunk, out)
 
     def _guarded(self, out: RunnerOutput, request_ids: list[str], fn: Callable[..., object], *args: object) -> None:
-        """Run one part of the step; if it raises, log it and fail the requests it touched."""
+        """Run one part of the step; if it raises (and the rank lets the fault be theirs), log it and fail
+        the requests it touched."""
         try:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - an engine fault ends its requests, not the engine
+            self.rank.on_fault(exc)
             log.exception("engine step failed for %s", request_ids)
             out.faults += 1
             out.errors.update(dict.fromkeys(request_ids, f"{type(exc).__name__}: {exc}"))
@@ -247,16 +286,18 @@ class ModelRunner:
         mx.eval(logits, [c.state for c in row.cache], embedded.row_state, drafted)
         forks = [row.forks[f] for f in chunk.forks]
         firsts, sampling = self._sample_first(logits, [row], forks)
-        if row.prompt_logprobs is not None:
-            firsts[0] = replace(firsts[0], prompt_logprobs=tuple(row.prompt_logprobs))
         ids = [chunk.request_id, *chunk.forks]
-        out.samples.update(zip(ids, firsts))
+        if firsts is not None:
+            if row.prompt_logprobs is not None:
+                firsts[0] = replace(firsts[0], prompt_logprobs=tuple(row.prompt_logprobs))
+            out.samples.update(zip(ids, firsts))
         if chunk.store_prefix:
             self.caches.store_prefix(row.prompt, row.cache)
         rows = 1 + len(forks)  # n > 1: the prompt's KV and state copied into a row per fork
         row_state = {k: mx.concatenate([v] * rows) if rows > 1 else v for k, v in embedded.row_state.items()}
-        draft = self._mtp().first([row.draft], [[s.token_id for s in firsts]]) if row.draft is not None else None
-        join = partial(self._join, ids, [merge_rows(c, rows) for c in row.cache], row_state, sampling, firsts, draft)
+        inputs = self._inputs(firsts, rows)
+        draft = self._mtp().first([row.draft], [inputs]) if row.draft is not None else None
+        join = partial(self._join, ids, [merge_rows(c, rows) for c in row.cache], row_state, sampling, inputs, draft)
         if chunk.hold:  # the row waits out of the decode batch until a plan joins it
             self.prompts.pop(chunk.request_id, None)
             self.held[chunk.request_id] = join
@@ -265,11 +306,12 @@ class ModelRunner:
 
     def _prefill_scored(self, row: PromptRow, embedded: Embedded, chunk: PrefillChunk) -> mx.array:
         """A chunk whose every position's logits are kept: each next prompt token's logprob (and the
-        ``prompt_logprobs`` best alternatives) joins the row's; returns the last position's logits."""
+        ``prompt_logprobs`` best alternatives) joins the row's; returns the last position's logits. A rank
+        that does not sample runs the same forward and scores nothing."""
         assert row.prompt_logprobs is not None
         logits = self.adapter.prefill(row.input_ids, embedded, chunk.start, chunk.end, row.cache, every_position=True)
         targets = row.input_ids[0, chunk.start + 1:chunk.end + 1]  # the token each position predicts
-        if targets.shape[0] == 0:  # the prompt's last token predicts nothing of it (a one-token prompt's)
+        if not self.rank.samples or targets.shape[0] == 0:  # rank 0 scores; nothing follows a one-token prompt
             return logits[-1:]
         scored = logits[: targets.shape[0]].astype(mx.float32)
         scored = scored - mx.logsumexp(scored, axis=-1, keepdims=True)
@@ -314,16 +356,16 @@ class ModelRunner:
         row_state = {k: mx.concatenate([e.row_state[k] for e in ready]) for k in ready[0].row_state}
         mx.eval(logits, [c.state for c in cache], row_state, [r.draft.arrays() for r in rows if r.draft is not None])
         firsts, sampling = self._sample_first(logits, rows)
-        out.samples.update(zip(request_ids, firsts))
+        out.samples.update(zip(request_ids, firsts or ()))
         out.prefill_batches += 1
         for i, chunk in enumerate(chunks):
             if chunk.store_prefix:  # a row of the batch serves a later prompt as if it had been alone
                 self.caches.store_prefix(rows[i].prompt, [c.extract(request_ids.index(chunk.request_id))
                                                                     for c in cache])
-        draft = None
+        inputs, draft = self._inputs(firsts, len(rows)), None
         if states:
-            draft = self._mtp().first([cast(DraftRows, r.draft) for r in rows], [[s.token_id] for s in firsts])
-        self._join(request_ids, cache, row_state, sampling, firsts, draft)
+            draft = self._mtp().first([cast(DraftRows, r.draft) for r in rows], [[t] for t in inputs])
+        self._join(request_ids, cache, row_state, sampling, inputs, draft)
 
     @contextmanager
     def _prompt_states(self) -> Iterator[list[mx.array]]:
@@ -344,27 +386,36 @@ class ModelRunner:
         return self.drafter
 
     def _sample_first(self, logits: mx.array, rows: list[PromptRow], forks: list[SamplingParams] | None = None
-                      ) -> tuple[list[Sample], list[RowState]]:
-        """Each prompt's first token, and the sampling row it takes into the decode batch; ``forks``
-        (one prompt, n > 1): more rows sampled from its logits, each with its own sampling."""
+                      ) -> tuple[list[Sample] | None, list[RowState]]:
+        """Each prompt's first token (None on a rank that does not sample), and the sampling row it takes
+        into the decode batch; ``forks`` (one prompt, n > 1): more rows sampled from its logits, each with
+        its own sampling."""
         eos = self.loaded.eos_token_ids
         sampling = [RowState.create(r.params, r.prompt.input_ids, eos) for r in rows]
-        if forks:
-            sampling += [RowState.create(p, rows[0].prompt.input_ids, eos) for p in forks]
-            logits = mx.concatenate([logits] * len(sampling))
-        sampled = sample(logits, sampling, allowed=guided.allowed(sampling, logits.shape[-1]))
+        sampling += [RowState.create(p, rows[0].prompt.input_ids, eos) for p in forks or ()]
         for row in rows:
             row.embedded, row.hidden = None, None  # the vision features are in the KV now; free them
+        if not self.rank.samples:
+            return None, sampling
+        if forks:
+            logits = mx.concatenate([logits] * len(sampling))
+        sampled = sample(logits, sampling, allowed=guided.allowed(sampling, logits.shape[-1]))
         return [sampled.read(i) for i in range(len(sampling))], sampling
 
+    @staticmethod
+    def _inputs(firsts: list[Sample] | None, rows: int) -> list[int]:
+        """The rows' first decode inputs: their first tokens, or stand-ins on a rank that does not sample
+        (rank 0 sends each decode step's inputs)."""
+        return [s.token_id for s in firsts] if firsts is not None else [0] * rows
+
     def _join(self, request_ids: list[str], cache: list[Any], row_state: dict[str, mx.array],
-              sampling: list[RowState], firsts: list[Sample], draft: DraftRows | None = None) -> None:
-        """Prefilled prompts become the decode batch's last rows; each one's first token is its next input."""
+              sampling: list[RowState], inputs: list[int], draft: DraftRows | None = None) -> None:
+        """Prefilled prompts become the decode batch's last rows, each with its first input."""
         for request_id in request_ids:
             self.prompts.pop(request_id, None)  # a fork (n > 1) had no prompt row of its own
         if self.adapter.kv_quant is not None and self.batch.cache is not None:
             self.adapter.kv_quant.align(self.batch.cache, cache)  # a batch's rows share one precision per layer
-        self.batch.extend(request_ids, cache, row_state, sampling, [s.token_id for s in firsts], draft)
+        self.batch.extend(request_ids, cache, row_state, sampling, inputs, draft)
 
     # -- decode ---------------------------------------------------------------------
 
@@ -374,7 +425,8 @@ class ModelRunner:
         As mlx-lm's generators do: the next step's graph is built and queued before the host waits
         for the previous one. The samples returned are the rows' tokens from the previous step; a
         row that just joined has none yet (its first token went out with its prefill). A row whose
-        grammar refuses the token it is fed lands in ``errors``.
+        grammar refuses the token it is fed lands in ``errors``. A rank that does not sample runs the
+        forward and returns none.
         """
         batch = self.batch
         assert batch.cache is not None and batch.tokens is not None
@@ -386,6 +438,9 @@ class ModelRunner:
             row_state, sink = self.drafter.hidden_sink(row_state)
         logits = self.adapter.decode(batch.tokens[:, None], batch.cache, row_state)
         self.adapter.settle(batch.cache)
+        if not self.rank.samples:  # rank 0 sends the next step's inputs
+            mx.eval(logits)
+            return {}
         step = sample(logits, batch.sampling, batch.tokens, guided.allowed(batch.sampling, logits.shape[-1]))
         if self.drafter is not None and sink:
             self.drafter.after_decode(batch, step.tokens, self.drafter.recorded(sink))
