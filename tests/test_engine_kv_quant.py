@@ -187,7 +187,7 @@ def test_gemma4s_assistant_drafter_keeps_full_precision_kv_and_says_why(tmp_path
 
     async def scenario() -> None:
         async with running_engine(model, kv_bits=8, kv_group_size=GROUP, speculative=spec) as engine:
-            assert engine.loaded.adapter.kv_quant is None and "assistant" in (engine.kv_quant_off or "")
+            assert engine.loaded.adapter.kv_quant is None  # and start-up says why, below
             result = await gather(engine.generate_chat("x", [{"role": "user", "content": "Hi."}], [], None, GREEDY))
             assert result.error is None and len(result.token_ids) == GREEDY.max_tokens
 

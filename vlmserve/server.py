@@ -164,39 +164,30 @@ def serve_rank(config: ServeConfig) -> int:
 
 def _follow(config: ServeConfig, rank: int) -> int:
     """A rank other than 0: load its slice on its MLX worker, then run rank 0's steps until it says stop."""
-    import dataclasses
-
-    from vlmserve.engine.assembly import load_for_serving
+    from vlmserve.engine.assembly import load_follower
     from vlmserve.engine.loader import ModelLoadError
-    from vlmserve.engine.pipeline_runner import FollowerRunner
     from vlmserve.engine.worker import MLXWorkerThread
 
     path, name = resolve_model(config.models[0] if config.models else None)
     worker = MLXWorkerThread(name=f"mlx-rank{rank}")
     worker.start()
-
-    def load() -> FollowerRunner:  # as rank 0 loads its own slice (AsyncEngine)
-        assembled = load_for_serving(path, name, dataclasses.replace(config.engine, pipeline=True))
-        assert assembled.stage is not None
-        return FollowerRunner(assembled.loaded, assembled.stage)
-
-    try:
-        runner = worker.call(load)
+    try:  # as rank 0 loads its own slice (AsyncEngine)
+        runner, follower = worker.call(load_follower, path, name, config.engine)
     except ModelLoadError as exc:
         print(f"vlmserve: error: rank {rank}: {exc}", file=sys.stderr)
         return 1
     try:
-        worker.call(runner.follow)
+        worker.call(follower.follow, runner)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - one line: which rank, and why
         log.debug("pipeline rank %d stopped", rank, exc_info=True)
-        print(f"vlmserve: error: pipeline {runner.stage.describe()}: lost rank 0 or a neighbour ({exc}); stopping",
+        print(f"vlmserve: error: pipeline {follower.stage.describe()}: lost rank 0 or a neighbour ({exc}); stopping",
               file=sys.stderr)
         return 1
     finally:
         worker.shutdown()
-    log.info("pipeline %s: rank 0 stopped the group", runner.stage.describe())
+    log.info("pipeline %s: rank 0 stopped the group", follower.stage.describe())
     return 0
 
 

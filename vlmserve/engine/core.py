@@ -132,6 +132,11 @@ class EngineCore:
         self.caches.media_ids = self.loaded.adapter.media_token_ids()
         self.caches.mm_limit = self.loaded.adapter.mm_prefix_limit
 
+    def calibrate(self, prompt: PromptInputs) -> tuple[KVBudget, StepCosts, EngineMetrics]:
+        """After the warm-up, once: the KV budget from this model's bytes per position, what a prompt token
+        and a decode step cost, and the counters from here on (not the warm-up's last step)."""
+        return self.measure_kv(prompt), self.measure_costs(prompt), self.snapshot()
+
     def measure_kv(self, prompt: PromptInputs) -> KVBudget:
         """Measure this model's KV bytes per position on a text prompt; size the budget if unset."""
         self.worker.assert_on_worker()

@@ -31,8 +31,6 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 
-from vlmserve.engine.caches import EngineCaches
-from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.models import Embedded
 from vlmserve.engine.pipeline import Stage
 from vlmserve.engine.plan import NewRequest, RunnerOutput, SchedulerOutput
@@ -310,33 +308,3 @@ class Follower:
 
     def done(self) -> None:
         self.step = None
-
-
-# -- as server.py and AsyncEngine build them ------------------------------------------------
-
-
-class LeaderRunner(ModelRunner):
-    """Rank 0's runner: a ``ModelRunner`` as ``Leader``, with its heartbeat and close."""
-
-    def __init__(self, loaded: LoadedModel, caches: EngineCaches, stage: Stage, watch: Watch) -> None:
-        self.leader = Leader(stage, watch)
-        super().__init__(loaded, caches, self.leader)
-
-    def heartbeat(self) -> None:
-        self.leader.heartbeat()
-
-    def close(self) -> None:
-        self.leader.close()
-
-
-class FollowerRunner(ModelRunner):
-    """Another rank's runner: a ``ModelRunner`` as ``Follower``, which ``follow`` runs."""
-
-    def __init__(self, loaded: LoadedModel, stage: Stage) -> None:
-        self.stage = stage
-        self.follower = Follower(stage)
-        super().__init__(loaded, rank=self.follower)
-
-    def follow(self) -> None:
-        """Run every step rank 0 sends until it says stop (raises when a rank is lost)."""
-        self.follower.follow(self)

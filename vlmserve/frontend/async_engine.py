@@ -16,27 +16,24 @@ import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from PIL import Image
 
-from vlmserve.engine.assembly import load_for_serving
-from vlmserve.engine.caches import EngineCaches, cache_policy
+from vlmserve.engine.assembly import Assembled, load_for_serving
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.engine_config import EngineConfig
-from vlmserve.engine.loader import LoadedModel, ModelLoadError
+from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.memory import KVBudget
-from vlmserve.engine.models import SUPPORTED_FAMILIES
 from vlmserve.engine.params import Guide, PromptInputs, SamplingParams
-from vlmserve.engine.pipeline import Stage
-from vlmserve.engine.pipeline_runner import LeaderRunner, Watch
 from vlmserve.engine.request import AbortRequest, AddRequest, EngineMetrics, StepOutput, StepOutputs
-from vlmserve.engine.runner import ModelRunner
 from vlmserve.engine.worker import MLXWorkerThread
 from vlmserve.frontend.output import OutputProcessor, RequestOutput
 from vlmserve.preprocess.guided import GuideCompiler, GuideSpec
-from vlmserve.preprocess.prompt import CacheHints, PromptBuilder, PromptError, templater_of
-from vlmserve.tools import select_parser
+from vlmserve.preprocess.prompt import PromptBuilder, PromptError
+
+if TYPE_CHECKING:
+    from vlmserve.engine.pipeline import Stage
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -136,9 +133,7 @@ class AsyncEngine:
         # On the pipeline watchdog's thread, once a hung rank has left the worker stuck for good (server.py ends
         # the process):
         self.on_stuck: Callable[[], None] | None = None
-        self.stage: Stage | None = None  # this rank's layers, when served across ranks
-        self.kv_quant_off: str | None = None  # why --kv-bits is off for this model, where it was asked for
-        self._runner: LeaderRunner | None = None
+        self._assembled: Assembled | None = None  # the model as the engine serves it (engine/assembly.py)
         self._heartbeat: asyncio.Task[None] | None = None
         self._metrics = EngineMetrics()
 
@@ -151,95 +146,61 @@ class AsyncEngine:
         self.worker.start()
         began = time.perf_counter()
         self.loaded = await self.worker.run(self._load)
+        assembled = self._assembled
+        assert assembled is not None
         self.created = int(time.time())
-        if self.config.chat_template is not None:  # before the template is inspected and the processor copied
-            for owner in {id(o): o for o in (self.loaded.processor, self.loaded.tokenizer)}.values():
-                owner.chat_template = self.config.chat_template
         loaded = time.perf_counter()
         self.prompter = await asyncio.get_running_loop().run_in_executor(
-            self._pool, PromptBuilder.for_processor, self.loaded.processor, self.config.preprocess_threads,
-            self._cache_hints(), self.loaded.adapter.processor_limit(self.loaded.processor))
+            self._pool, assembled.prompt_builder, self.config)
         self.tokenizer = await asyncio.get_running_loop().run_in_executor(
             self._pool, copy.deepcopy, self.loaded.tokenizer)
-        self.tool_format = self._tool_format()
+        self.tool_format = assembled.tool_format(self.prompter)
         self.guides = GuideCompiler(self.loaded.tokenizer, self.loaded.eos_token_ids, self.opens_reasoning)
-        self.core = EngineCore(self.loaded, self.worker, self._publish_threadsafe, self.config,
-                               runner_for=self._leader if self.stage is not None else ModelRunner)
+        self.core = assembled.core(self.worker, self._publish_threadsafe, self.config, self._lost_threadsafe,
+                                         self.on_stuck)
         self.worker.set_stepper(self.core)
         if warmup:
             await self._warmup()
             await self.worker.run(self.core.reset_caches)
         probe = await asyncio.get_running_loop().run_in_executor(
             self._pool, self.prompter.build, [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
-        self.kv = await self.worker.run(self.core.measure_kv, probe)
-        costs = await self.worker.run(self.core.measure_costs, probe)
-        self._metrics = await self.worker.run(self.core.snapshot)  # not the warm-up's last step
+        kv, costs, self._metrics = await self.worker.run(self.core.calibrate, probe)
+        self.kv = kv
         self._info = ModelInfo(self.name, self.loaded.model_type, self.created, self.loaded.max_context,
                                self.config.max_batch_size, self.tool_format, self.prompter.media_token_ids,
                                self._max_pixels(), self.loaded.weights_bytes)
         self.ready = True
         self._watchdog = asyncio.create_task(self._watch_consumers())
-        if self._runner is not None:
-            self._heartbeat = asyncio.create_task(self._beat(self._runner))
+        if self.stage is not None:
+            self._heartbeat = asyncio.create_task(self._beat())
         log.info("model %s (%s): loaded in %.2f s, warmed up in %.2f s; KV cache %.1f KiB per position, budget %.2f GiB",
                  self.name, self.loaded.model_type, loaded - began, time.perf_counter() - loaded,
-                 self.kv.footprint.per_position / 1024, (self.kv.limit_bytes or 0) / 2**30)
+                 kv.footprint.per_position / 1024, (kv.limit_bytes or 0) / 2**30)
         log.info("model %s: a prompt token costs %.2f ms, a decode step %.1f ms: %d prompt tokens per step while "
                  "requests decode", self.name, costs.prompt_token_s * 1e3, costs.decode_step_s * 1e3,
                  costs.stream_tokens())
-        self._log_speculation()
-        quant = self.loaded.adapter.kv_quant
-        if quant is not None:
-            log.info("model %s: KV quantized to %d bits (groups of %d) from %d positions, sliding-window and recurrent "
-                     "layers excepted", self.name, quant.bits, quant.group_size, quant.start)
-        elif self.kv_quant_off is not None:
-            log.warning("model %s (%s): --kv-bits is off: %s", self.name, self.loaded.model_type, self.kv_quant_off)
-        if self.core is not None and self.core.tier is not None:
-            disk = self.core.tier.stats()
-            log.info("model %s: prefix caches spill to %s (%d files, %.1f MB found; at most %.1f GB)", self.name,
-                     self.config.prefix_cache_dir, disk.entries, disk.bytes / 1e6, self.config.prefix_cache_disk_bytes / 2**30)
-        for why in self.core.policy.off if self.core is not None else ():
-            log.info("model %s (%s): %s", self.name, self.loaded.model_type, why)
-
-    def _log_speculation(self) -> None:
-        """Say whether drafts are verified here, and why not where they are not."""
-        assert self.core is not None and self.loaded is not None
-        spec = self.config.speculative
-        if self.core.scheduler.drafts is None:
-            why = "across pipeline ranks" if self.config.pipeline else f"for this family ({self.loaded.model_type})"
-            log.info("model %s: speculative decoding is off %s: ngram drafts and requests' predictions are unused",
-                     self.name, why)
-        elif spec is not None and spec.drafter:
-            log.info("model %s: speculative decoding with the drafter %s (mtp, up to %d tokens)%s", self.name,
-                     spec.model or "the checkpoint carries", spec.num_speculative_tokens,
-                     "" if spec.adaptive else ", drafting whatever it costs")
-        elif spec is not None:
-            log.info("model %s: speculative decoding with ngram drafts (up to %d tokens, lookup %d-%d)%s", self.name,
-                     spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                     "" if spec.adaptive else ", drafting whatever it costs")
+        for level, note in assembled.notes(self.name, self.core, self.config):
+            log.log(level, "%s", note)
 
     def _load(self) -> LoadedModel:
         self.worker.assert_on_worker()
-        assembled = load_for_serving(self.model_spec, self.name, self.config)
-        self.stage, self.kv_quant_off = assembled.stage, assembled.kv_quant_off
-        return assembled.loaded
+        self._assembled = load_for_serving(self.model_spec, self.name, self.config)
+        return self._assembled.loaded
+
+    @property
+    def stage(self) -> Stage | None:
+        """This rank's layers, when served across ranks."""
+        return self._assembled.stage if self._assembled is not None else None
 
     # -- across ranks ----------------------------------------------------------------------
 
-    def _leader(self, loaded: LoadedModel, caches: EngineCaches) -> LeaderRunner:
-        """Rank 0's runner (on the worker), watched for ranks that stop answering."""
-        assert self.stage is not None
-        watch = Watch(self.stage, self.config.pipeline_timeout_s)
-        watch.on_hang, watch.on_stuck = self._lost_threadsafe, self.on_stuck
-        self._runner = LeaderRunner(loaded, caches, self.stage, watch)
-        return self._runner
-
-    async def _beat(self, runner: LeaderRunner) -> None:
+    async def _beat(self) -> None:
         """Ping every rank now and then, so a rank that hangs while nothing runs is noticed too."""
+        assert self._assembled is not None
         while self.worker.alive:
             await asyncio.sleep(min(2.0, self.config.pipeline_timeout_s / 4))
             try:
-                await self.worker.run(runner.heartbeat)
+                await self.worker.run(self._assembled.heartbeat)
             except Exception:  # noqa: BLE001 - the worker died: _on_worker_exit says why
                 return
 
@@ -256,13 +217,6 @@ class AsyncEngine:
         self._fail_streams(self.dead_reason)
         if fault and self.on_dead is not None:
             self.on_dead(self.dead_reason)
-
-    def _cache_hints(self) -> CacheHints:
-        """What this model's prefix caches need of phase 1: snapshot points where its cache cannot be cut
-        back, picture keys where the image-keyed cache is on and its images' arrays may not split."""
-        assert self.loaded is not None
-        policy = cache_policy(self.config, self.loaded.adapter)
-        return CacheHints(stems=policy.stems, picture_keys=policy.mm_prefix)
 
     @property
     def opens_reasoning(self) -> bool:
@@ -307,16 +261,11 @@ class AsyncEngine:
         """The same, for prompts rendered with these template variables (``enable_thinking: false``)."""
         return self.prompter is not None and self.prompter.opens_reasoning_with(template_kwargs)
 
-    def _tool_format(self) -> str | None:
-        assert self.loaded is not None and self.prompter is not None
-        if not self.prompter.template.renders_tools:
-            return "hermes"  # the prompt builder writes tools Hermes style
-        template = getattr(templater_of(self.loaded.processor), "chat_template", None)
-        return select_parser(template if isinstance(template, str) else None, self.loaded.adapter.tool_format)
-
     async def _warmup(self) -> None:
         """An image request and a text request through the real path, prefill and decode (EOS ignored);
         either failing fails the load."""
+        assembled = self._assembled
+        assert assembled is not None
         image = Image.new("RGB", (64, 64), (128, 64, 32))
         params = SamplingParams(max_tokens=2, ignore_eos=True)
         for images in ([image], []):
@@ -327,17 +276,12 @@ class AsyncEngine:
                 outputs = [o async for o in self.generate_chat(request_id, [{"role": "user", "content": parts}],
                                                                 images, None, params)]
             except Exception as exc:  # noqa: BLE001 - phase 1 or admission: the model cannot serve
-                raise self._warmup_failed(f"{type(exc).__name__}: {exc}") from exc
+                raise assembled.warmup_failed(self.name, f"{type(exc).__name__}: {exc}") from exc
             finally:
                 self._start_ids.discard(request_id)
                 self.abort(request_id)  # whatever happened, the warm-up leaves nothing behind
             if not outputs or outputs[-1].error is not None:
-                raise self._warmup_failed(outputs[-1].error if outputs else "no output")
-
-    def _warmup_failed(self, reason: str | None) -> ModelLoadError:
-        model_type = self.loaded.model_type if self.loaded else "?"
-        untested = "" if model_type in SUPPORTED_FAMILIES else f"; supported families: {', '.join(SUPPORTED_FAMILIES)}"
-        return ModelLoadError(f"model {self.name!r} ({model_type}) failed its warm-up: {reason}{untested}")
+                raise assembled.warmup_failed(self.name, outputs[-1].error if outputs else "no output")
 
     async def shutdown(self, message: str = "engine is shutting down") -> None:
         """Wake every waiting request with an error, stop the worker and join it."""
@@ -356,9 +300,9 @@ class AsyncEngine:
                 await asyncio.wait_for(self.worker.run(self.core.close_caches), timeout=120)
             except Exception:  # noqa: BLE001 - a dying worker is being stopped anyway
                 log.warning("engine %s: could not write the prefix caches to disk", self.name)
-            if self._runner is not None:  # then every other rank stops
+            if self._assembled is not None and self.stage is not None:  # then every other rank stops
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.worker.run(self._runner.close), timeout=10)
+                    await asyncio.wait_for(self.worker.run(self._assembled.close), timeout=10)
         await asyncio.get_running_loop().run_in_executor(None, self.worker.shutdown)
 
     def _on_worker_exit_threadsafe(self, error: BaseException | None) -> None:
@@ -583,7 +527,7 @@ class AsyncEngine:
         arrays alive (a model unloaded on demand gives its memory back)."""
         assert not self.worker.alive, "forget a stopped engine only"
         self.loaded = self.core = self.prompter = self.tokenizer = self.guides = self.kv = None
-        self._runner = None
+        self._assembled = None
         self._streams.clear()
         # the cycles through callbacks too: an engine made before the server froze its heap (gc.freeze, at
         # ready) is never collected, so nothing it holds may keep the model
