@@ -464,8 +464,11 @@ class _Done:
 
 
 def caption(config: CaptionConfig) -> int:
-    """Decode the image, load the model on a worker thread, stream the caption to stdout."""
-    from vlmserve.engine.loader import ModelLoadError, load_model
+    """Decode the image, load the model on a worker thread (as the server does: engine/assembly.py), stream
+    the caption to stdout."""
+    from vlmserve.engine.assembly import load_for_serving
+    from vlmserve.engine.engine_config import EngineConfig
+    from vlmserve.engine.loader import ModelLoadError
     from vlmserve.engine.worker import MLXWorkerThread
     from vlmserve.preprocess.images import ImageError, load_image_file
 
@@ -480,21 +483,21 @@ def caption(config: CaptionConfig) -> int:
     worker = MLXWorkerThread(name="mlx-caption")
     worker.start()
     try:
-        loaded = _wait_with_spinner(worker.submit(load_model, model_path, name, config.dtype), f"loading {name}")
-        return _stream_caption(worker, loaded, image, config)
+        engine = EngineConfig(dtype=config.dtype, preprocess_threads=1)
+        assembled = _wait_with_spinner(worker.submit(load_for_serving, model_path, name, engine), f"loading {name}")
+        return _stream_caption(worker, assembled.loaded, assembled.prompt_builder(engine), image, config)
     except ModelLoadError as exc:
         return usage_error(str(exc))
     finally:
         worker.shutdown()
 
 
-def _stream_caption(worker: Any, loaded: Any, image: Any, config: CaptionConfig) -> int:
+def _stream_caption(worker: Any, loaded: Any, prompter: Any, image: Any, config: CaptionConfig) -> int:
     from vlmserve.engine.params import SamplingParams
     from vlmserve.frontend.detokenizer import IncrementalDetokenizer
-    from vlmserve.preprocess.prompt import PromptBuilder
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": config.prompt}]}]
-    prompt = PromptBuilder.for_processor(loaded.processor).build(messages, [image])
+    prompt = prompter.build(messages, [image])
     params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, seed=config.seed)
     tokens: queue.SimpleQueue[int | _Done] = queue.SimpleQueue()
     worker.submit(_generate_into, worker, loaded, prompt, params, tokens)
