@@ -56,3 +56,24 @@ def test_cache_is_bounded_in_entries(gemma4_micro):
     cases = [(f"topic {i}: " + "word " * (5 + i), []) for i in range(6)]
     _, _, after = asyncio.run(_run_all(gemma4_micro, cases, prefix_cache=True, prefix_cache_entries=2))
     assert after.entries <= 2 and after.bytes > 0
+
+
+def test_a_reused_prefix_goes_from_the_caches_to_the_runner_and_is_never_left_behind(gemma4_micro):
+    """The plan carries ids and counts; the caches hold a reused prefix's copy until the runner enters its
+    request, then hold nothing for it, whether it ran or was aborted as it arrived."""
+
+    async def scenario():
+        async with running_engine(gemma4_micro, prefix_cache=True) as engine:
+            first = await collect(engine, "r0", SYSTEM, [], GREEDY)
+            second = await collect(engine, "r1", SYSTEM, [], GREEDY)
+            stream = engine.generate_chat("r2", [{"role": "user", "content": SYSTEM}], [], None, GREEDY)
+            await stream.__anext__()
+            await stream.aclose()  # aborted after it entered, with its prefix
+            for _ in range(3):
+                await collect(engine, "after", "hi", [], SamplingParams(max_tokens=2))
+            caches = engine.core.caches
+            return first, second, [caches.take_prefix(r) for r in ("r0", "r1", "r2")]
+
+    first, second, left = asyncio.run(scenario())
+    assert second.num_cached_tokens > 40 and second.token_ids == first.token_ids
+    assert left == [None, None, None]

@@ -39,16 +39,18 @@ class FakeCaches:
     def __init__(self, prefixes: dict[tuple[int, ...], str] | None = None, images: set[str] | None = None) -> None:
         self.prefixes = prefixes or {}
         self.images = images or set()
+        self.reserved: dict[str, str] = {}  # what the runner would take, by request id
 
     def reuses(self, prompt: PromptInputs) -> bool:
         return not prompt.has_images  # as the default: the image-keyed cache is opt-in
 
-    def lookup_prefix(self, prompt: PromptInputs) -> tuple[object, int]:
+    def reserve_prefix(self, request_id: str, prompt: PromptInputs) -> int:
         tokens = prompt.input_ids
         for n in range(len(tokens) - 1, 0, -1):  # at least one token is left to compute
             if tuple(tokens[:n]) in self.prefixes:
-                return self.prefixes[tuple(tokens[:n])], n
-        return None, 0
+                self.reserved[request_id] = self.prefixes[tuple(tokens[:n])]
+                return n
+        return 0
 
     def uncached_images(self, prompt: PromptInputs) -> tuple[int, int]:
         """Images to encode, and their pixel values: here 3 per image."""
@@ -307,11 +309,13 @@ def test_the_first_image_prompt_goes_whatever_its_cost():
 
 
 def test_a_text_prefix_is_looked_up_at_admission_and_stored_at_the_end_of_its_prompt():
+    """The plan says how much is cached (ids and counts); the caches hold the prefix for the runner."""
     caches = FakeCaches({tuple(range(6)): "kv"})
     text, image = _req("text", prompt_len=10), _req("image", prompt_len=10, images=("k",))
     s = _scheduler(text, image, budget=2, caches=caches, holds_rows=False)
     plan = s.schedule()
-    assert [(n.request_id, n.prefix, n.num_cached) for n in plan.new] == [("text", "kv", 6), ("image", None, 0)]
+    assert [(n.request_id, n.num_cached) for n in plan.new] == [("text", 6), ("image", 0)]
+    assert caches.reserved == {"text": "kv"}
     assert text.num_cached_tokens == text.num_computed_tokens == 6
     assert plan.prefill == [PrefillChunk("text", 6, 8)]
     s.update_from_output(plan, RunnerOutput())

@@ -345,22 +345,21 @@ def test_a_step_message_carries_embeddings_and_plan_unchanged():
     assert got.lm_kwargs["visual_pos_masks"].dtype == mx.bool_
 
 
-def test_followers_get_the_plan_without_pixels_grammars_prefixes_or_what_failed_on_rank_0():
+def test_followers_get_the_plan_without_pixels_grammars_or_what_failed_on_rank_0():
     pixels = {"pixel_values": np.ones((4, 3)), "image_grid_thw": np.array([[1, 2, 2]])}
     prompt = PromptInputs([1, 2, 3], pixels, 1, (ImageItem("k", pixels),))
-    new = [NewRequest("a", prompt, SamplingParams(seed=1), prefix=object(), forks=(("a1", SamplingParams()),)),
+    new = [NewRequest("a", prompt, SamplingParams(seed=1, guide=None), forks=(("a1", SamplingParams()),)),
            NewRequest("b", prompt, SamplingParams())]
     plan = SchedulerOutput(new=new, encode=[EncodeChunk("a"), EncodeChunk("b")], decode=["d"], finished=["f"],
                            prefill=[PrefillChunk("a", 0, 3), PrefillChunk("b", 0, 3), PrefillChunk("c", 0, 3)],
                            prefill_groups=[["a", "b", "c"]])
     theirs = for_followers(plan, {"b"})
     (a,) = theirs.new
-    assert (a.request_id, a.prefix, a.params, a.forks, a.prompt.input_ids) == ("a", None, new[0].params,
-                                                                              new[0].forks, [1, 2, 3])
+    assert (a.request_id, a.params, a.forks, a.prompt.input_ids) == ("a", new[0].params, new[0].forks, [1, 2, 3])
     assert a.prompt.images == () and all(v.size == 0 for v in a.prompt.arrays.values())
     assert theirs.encode == [] and [c.request_id for c in theirs.prefill] == ["a", "c"]
     assert (theirs.prefill_groups, theirs.decode, theirs.finished) == ([["a", "c"]], ["d"], ["f"])
-    assert len(plan.new) == 2 and plan.new[0].prefix is not None  # rank 0's own plan is as it was
+    assert len(plan.new) == 2 and plan.new[0].prompt.images  # rank 0's own plan is as it was
 
 
 # -- every rank runs the same step, without a launch ------------------------------------------

@@ -2,8 +2,11 @@
 prefix cache; and ``cache_policy``, the one place that decides which of them a model's engine keeps.
 
 The scheduler asks them what is cached (a reused prefix at admission, which images still need the
-tower) and so decides each step's work; the runner reads and fills them as it executes the plan.
-Adding a cache means a field here, a question in ``CacheBook`` and its use in the runner.
+tower) and so decides each step's work, in ids and counts; the runner reads and fills them as it
+executes the plan. A prefix reused at admission is copied then (``reserve_prefix``, so that what later
+admissions evict cannot touch it) and held here under the request's id until the runner takes it
+(``take_prefix``). Adding a cache means a field here, a question in ``CacheBook`` and its use in the
+runner.
 
 The image-keyed prefix cache (``mm_prefix``, opt-in) is a second store for prompts with images,
 keyed by ``params.prefix_key``: their tokens with each image's placeholders written as its content
@@ -66,6 +69,7 @@ class EngineCaches:
         self.mm_prefix = mm_prefix  # prompts with images (opt-in), keyed by their images' content too
         self.media_ids = media_ids  # the model's image placeholder token ids
         self.mm_limit = mm_limit  # the longest image prompt reused (the adapter's mm_prefix_limit)
+        self._reserved: dict[str, list[Any]] = {}  # prefixes found at admission, by request id, until entered
 
     def _store(self, prompt: PromptInputs) -> PrefixCache | None:
         """Where a prompt's prefix is kept (None: nowhere), from what is known without walking its tokens."""
@@ -85,10 +89,19 @@ class EngineCaches:
         ``lookup_prefix`` finds nothing and ``store_prefix`` keeps nothing)."""
         return self._store(prompt) is not None
 
-    def lookup_prefix(self, prompt: PromptInputs) -> tuple[Any, int]:
-        """A private copy of the longest cached prefix's KV and its length, or (None, 0)."""
+    def reserve_prefix(self, request_id: str, prompt: PromptInputs) -> int:
+        """How many of the prompt's first tokens a cached prefix covers (0: none); a private copy of its KV
+        is kept for the request until the runner takes it."""
         store, key = self._keyed(prompt)
-        return store.lookup(key) if store is not None and key is not None else (None, 0)
+        cache, cached = store.lookup(key) if store is not None and key is not None else (None, 0)
+        if cache is not None and cached:
+            self._reserved[request_id] = cache
+        return cached
+
+    def take_prefix(self, request_id: str) -> list[Any] | None:
+        """The request's reserved prefix KV (None: none), now the runner's; also how a request that ends
+        before it entered lets go of it."""
+        return self._reserved.pop(request_id, None)
 
     def prefetch(self, prompt: PromptInputs) -> None:
         """A prompt arrived: where its store has a disk tier, start reading the file it would reuse."""

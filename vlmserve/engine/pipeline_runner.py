@@ -54,12 +54,12 @@ class StepMessage:
 def for_followers(plan: SchedulerOutput, failed: Collection[str]) -> SchedulerOutput:
     """The step as the other ranks run it once rank 0 has entered and embedded its prompts: without the
     requests that ``failed`` there, nothing to encode (the embeddings go with it), and each new request
-    with its token ids and sampling, no pixels, no grammar (rank 0 samples), no prefix (the prefix
-    caches are off)."""
+    with its token ids and sampling, no pixels and no grammar (rank 0 samples). (No plan reuses a
+    prefix: the prefix caches are off across ranks.)"""
     def stripped(new: NewRequest) -> NewRequest:
         prompt = replace(new.prompt, arrays={k: np.zeros(0) for k in new.prompt.arrays}, images=())
         forks = tuple((rid, replace(p, guide=None)) for rid, p in new.forks)
-        return replace(new, prompt=prompt, params=replace(new.params, guide=None), prefix=None, forks=forks)
+        return replace(new, prompt=prompt, params=replace(new.params, guide=None), forks=forks)
 
     return replace(plan, new=[stripped(n) for n in plan.new if n.request_id not in failed], encode=[],
                    prefill=[c for c in plan.prefill if c.request_id not in failed],

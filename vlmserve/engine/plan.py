@@ -10,7 +10,6 @@ the step failed (a fault, a grammar refusal). No MLX here: the scheduler and its
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from vlmserve.engine.params import PromptInputs, SamplingParams
 
@@ -35,13 +34,13 @@ class Sample:
 
 @dataclass(slots=True, frozen=True)
 class NewRequest:
-    """A request entering the runner; ``prefix`` is a reused text prefix's KV (the cache's private
-    copy, opaque here) covering the first ``num_cached`` prompt tokens."""
+    """A request entering the runner. Where ``num_cached`` > 0, a cached prefix covers its first
+    ``num_cached`` prompt tokens: the caches hold its private copy under the request's id until the runner
+    takes it (``EngineCaches.take_prefix``); the plan carries ids and counts, never arrays."""
 
     request_id: str
     prompt: PromptInputs
     params: SamplingParams
-    prefix: Any = None
     num_cached: int = 0
     forks: tuple[tuple[str, SamplingParams], ...] = ()  # n > 1: rows forked from it when its prefill ends
 

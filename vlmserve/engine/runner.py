@@ -174,7 +174,8 @@ class ModelRunner:
 
     def _enter(self, new: NewRequest) -> None:
         input_ids = mx.array(new.prompt.input_ids, dtype=mx.int32)[None]
-        cache = new.prefix if new.prefix is not None else self.adapter.make_cache()
+        prefix = self.caches.take_prefix(new.request_id) if new.num_cached else None
+        cache = prefix if prefix is not None else self.adapter.make_cache()
         row = self.prompts[new.request_id] = PromptRow(new.prompt, new.params, input_ids, cache, forks=dict(new.forks))
         if new.params.prompt_logprobs is not None:
             assert not new.num_cached, "a scored prompt reuses no KV"
@@ -490,6 +491,7 @@ class ModelRunner:
         for request_id in ids:
             self.prompts.pop(request_id, None)
             self.held.pop(request_id, None)
+            self.caches.take_prefix(request_id)  # one that ended before it entered
         self.batch.remove(ids)
 
 

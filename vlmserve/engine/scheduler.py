@@ -28,7 +28,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 from vlmserve.engine.memory import KVBudget
 from vlmserve.engine.params import PromptInputs, pixel_count
@@ -70,7 +70,7 @@ class CacheBook(Protocol):
 
     def reuses(self, prompt: PromptInputs) -> bool: ...
 
-    def lookup_prefix(self, prompt: PromptInputs) -> tuple[Any, int]: ...
+    def reserve_prefix(self, request_id: str, prompt: PromptInputs) -> int: ...
 
     def uncached_images(self, prompt: PromptInputs) -> tuple[int, int]: ...
 
@@ -315,14 +315,14 @@ class Scheduler:
                 self.caches.release(over)
 
     def _enter(self, req: Request) -> NewRequest:
-        prefix, cached = (None, 0)
+        cached = 0
         if self._prefix_cacheable(req) and self.caches is not None:
-            prefix, cached = self.caches.lookup_prefix(req.prompt)
+            cached = self.caches.reserve_prefix(req.request_id, req.prompt)
         req.num_computed_tokens = req.num_cached_tokens = cached
         if cached and req.text_tail is not None and cached >= req.text_tail:
             req.chunkable = True  # what is left is causal text (Gemma's new turn): it goes by tokens
         forks = tuple((f.request_id, f.params) for f in req.forks)
-        return NewRequest(req.request_id, req.prompt, req.params, prefix, cached, forks)
+        return NewRequest(req.request_id, req.prompt, req.params, cached, forks)
 
     def _prefix_cacheable(self, req: Request) -> bool:
         # A prompt with pixel_values reuses KV only through the opt-in image-keyed cache, whose key
