@@ -77,3 +77,30 @@ def test_a_reused_prefix_goes_from_the_caches_to_the_runner_and_is_never_left_be
     first, second, left = asyncio.run(scenario())
     assert second.num_cached_tokens > 40 and second.token_ids == first.token_ids
     assert left == [None, None, None]
+
+
+def test_a_reserved_prefix_is_whole_even_when_the_store_evicts_it_before_the_runner_takes_it():
+    """Admission finds a prefix without copying it; a later admission's room-making may evict the entry
+    before the runner enters the request. The request still gets the prefix's KV, cut to what it reuses,
+    and the store's own entry (another request's to find) is never changed by a take."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from vlmserve.engine.caches import EngineCaches
+    from vlmserve.engine.params import PromptInputs
+    from vlmserve.engine.prefix_cache import PrefixCache
+
+    layer = KVCache()
+    keys = mx.arange(1 * 2 * 10 * 4, dtype=mx.float32).reshape(1, 2, 10, 4)
+    layer.update_and_fetch(keys, -keys)
+    caches = EngineCaches(PrefixCache(4, 1 << 30), None)
+    caches.prefix.store(list(range(10)), [layer])  # a finished prompt of 10 tokens
+    assert caches.reserve_prefix("a", PromptInputs(list(range(10)))) == 9  # the same prompt: its last is computed
+    assert caches.reserve_prefix("b", PromptInputs([*range(6), 99, 98])) == 6  # shares 6, a longer entry cut back
+    caches.release(caches.held_bytes())  # the store makes room: the entry is gone
+    assert caches.held_bytes() == 0 and caches.prefix.stats().entries == 0
+    (a,), (b,) = caches.take_prefix("a"), caches.take_prefix("b")
+    assert (a.offset, b.offset) == (9, 6)
+    assert mx.array_equal(a.keys[..., :9, :], keys[..., :9, :])
+    assert mx.array_equal(b.values[..., :6, :], -keys[..., :6, :])
+    assert caches.take_prefix("a") is None  # taken once

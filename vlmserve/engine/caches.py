@@ -3,8 +3,9 @@ prefix cache; and ``cache_policy``, the one place that decides which of them a m
 
 The scheduler asks them what is cached (a reused prefix at admission, which images still need the
 tower) and so decides each step's work, in ids and counts; the runner reads and fills them as it
-executes the plan. A prefix reused at admission is copied then (``reserve_prefix``, so that what later
-admissions evict cannot touch it) and held here under the request's id until the runner takes it
+executes the plan. A prefix reused at admission is held here under the request's id
+(``reserve_prefix``: found, not copied; the stored layers are never written, so a later admission's
+eviction cannot touch them) until the runner takes its own copy as it enters the request
 (``take_prefix``). Adding a cache means a field here, a question in ``CacheBook`` and its use in the
 runner.
 
@@ -25,7 +26,7 @@ from typing import Any
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.models import ModelAdapter
 from vlmserve.engine.params import PromptInputs, pixel_count, prefix_key
-from vlmserve.engine.prefix_cache import PrefixCache, PrefixCacheStats
+from vlmserve.engine.prefix_cache import PrefixCache, PrefixCacheStats, Reuse
 from vlmserve.engine.vision_cache import VisionCache, VisionCacheStats
 
 
@@ -69,7 +70,7 @@ class EngineCaches:
         self.mm_prefix = mm_prefix  # prompts with images (opt-in), keyed by their images' content too
         self.media_ids = media_ids  # the model's image placeholder token ids
         self.mm_limit = mm_limit  # the longest image prompt reused (the adapter's mm_prefix_limit)
-        self._reserved: dict[str, list[Any]] = {}  # prefixes found at admission, by request id, until entered
+        self._reserved: dict[str, Reuse] = {}  # prefixes found at admission, by request id, until entered
 
     def _store(self, prompt: PromptInputs) -> PrefixCache | None:
         """Where a prompt's prefix is kept (None: nowhere), from what is known without walking its tokens."""
@@ -90,18 +91,23 @@ class EngineCaches:
         return self._store(prompt) is not None
 
     def reserve_prefix(self, request_id: str, prompt: PromptInputs) -> int:
-        """How many of the prompt's first tokens a cached prefix covers (0: none); a private copy of its KV
-        is kept for the request until the runner takes it."""
+        """How many of the prompt's first tokens a cached prefix covers (0: none). The prefix is held for
+        the request, not copied, until the runner takes it: an eviction meanwhile cannot touch it."""
         store, key = self._keyed(prompt)
-        cache, cached = store.lookup(key) if store is not None and key is not None else (None, 0)
-        if cache is not None and cached:
-            self._reserved[request_id] = cache
-        return cached
+        reuse = store.find(key) if store is not None and key is not None else None
+        if reuse is None:
+            return 0
+        self._reserved[request_id] = reuse
+        return reuse.length
 
     def take_prefix(self, request_id: str) -> list[Any] | None:
-        """The request's reserved prefix KV (None: none), now the runner's; also how a request that ends
-        before it entered lets go of it."""
-        return self._reserved.pop(request_id, None)
+        """The request's own KV of its reserved prefix (None: none), copied now, on the runner's call."""
+        reuse = self._reserved.pop(request_id, None)
+        return reuse.take() if reuse is not None else None
+
+    def drop_prefix(self, request_id: str) -> None:
+        """A request that ended before it entered: its reserved prefix is let go, uncopied."""
+        self._reserved.pop(request_id, None)
 
     def prefetch(self, prompt: PromptInputs) -> None:
         """A prompt arrived: where its store has a disk tier, start reading the file it would reuse."""

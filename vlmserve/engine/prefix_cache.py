@@ -9,6 +9,7 @@ content hash (``engine/caches.py``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,25 @@ class PrefixCacheStats:
     disk_hit_tokens: int = 0
 
 
+@dataclass(slots=True, frozen=True)
+class Reuse:
+    """A cached prefix a prompt reuses: ``length`` positions of the ``stored`` KV, ``trim`` positions past
+    them cut off. The stored layers belong to the store, which never changes them (an entry is replaced,
+    not written): held here, they stay whole even if the store evicts the entry before ``take``."""
+
+    stored: list[Any]
+    length: int
+    trim: int = 0
+    private: bool = False  # read back from the disk tier: already the request's own
+
+    def take(self) -> list[Any]:
+        """The request's own KV of the prefix."""
+        cache = self.stored if self.private else copy.deepcopy(self.stored)
+        if self.trim:
+            trim_prompt_cache(cache, self.trim)
+        return cache
+
+
 class PrefixCache:
     """An LRU of per-request KV caches bounded in entries and bytes (mlx-lm's trie-backed LRU); with a
     disk tier, what it evicts goes to disk under this store's ``marker`` and is looked up there too."""
@@ -55,30 +75,43 @@ class PrefixCache:
         self.query_tokens = 0
         self.budget_evictions = 0
 
-    def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
-        """A private copy of the longest cached prefix's KV and its length (at least one token is left)."""
+    def find(self, tokens: list[int]) -> Reuse | None:
+        """The longest cached prefix of ``tokens`` to reuse (at least one token is left to compute), not yet
+        copied: its ``take`` makes the request's own KV (the runner's, when it enters the request)."""
         self.query_tokens += len(tokens)
-        cache, rest = self._lru.fetch_nearest_cache(_KEY, tokens)
-        cached = len(tokens) - len(rest)
-        if cache is not None and cached == len(tokens):
-            # The last prompt token must be computed to get the first logits.
-            if can_trim_prompt_cache(cache):
-                trim_prompt_cache(cache, 1)
-                cached -= 1
-            else:
-                cache, cached = None, 0
+        reuse = self._nearest(tokens)
+        cached = reuse.length if reuse is not None else 0
         if self.tier is not None and cached < len(tokens) - 1:  # memory fell short of the whole prompt
-            found = self.tier.lookup(self.marker, tokens, max(cached, 0))
-            if found is not None:  # more of the prompt than memory had
-                cache, cached = found
+            found = self.tier.lookup(self.marker, tokens, cached)
+            if found is not None:  # more of the prompt than memory had, read back as the request's own
+                reuse = Reuse(found[0], found[1], private=True)
                 self.disk_hits += 1
-                self.disk_hit_tokens += cached
-        if cache is None or cached <= 0:
+                self.disk_hit_tokens += reuse.length
+        if reuse is None or reuse.length <= 0:
             self.misses += 1
-            return None, 0
+            return None
         self.hits += 1
-        self.hit_tokens += cached
-        return cache, cached
+        self.hit_tokens += reuse.length
+        return reuse
+
+    def _nearest(self, tokens: list[int]) -> Reuse | None:
+        """As mlx-lm's ``LRUPromptCache.fetch_nearest_cache`` chooses (the prompt whole, a longer entry cut
+        back where its cache can be, else the longest shorter one), without its copy; the prompt's last
+        token is always left to compute (its logits are the first token's)."""
+        trie = self._lru._trie
+        found = trie.search(_KEY, tokens)
+        shorter = len(found.shorter) if found.shorter is not None else 0
+        if found.exact is not None:
+            stored = trie.get(found.model, found.exact).prompt_cache
+            return Reuse(stored, len(tokens) - 1, trim=1) if can_trim_prompt_cache(stored) else None
+        if found.longer is not None and found.common_prefix > shorter:
+            stored = trie.get(found.model, found.longer).prompt_cache
+            if can_trim_prompt_cache(stored):
+                keep = min(len(tokens) - 1, found.common_prefix)
+                return Reuse(stored, keep, trim=len(found.longer) - keep)
+        if found.shorter is not None and shorter:
+            return Reuse(trie.get(found.model, found.shorter).prompt_cache, shorter)
+        return None
 
     def store(self, tokens: list[int], cache: list[Any]) -> None:
         """Keep a finished prefill's KV, compacted (``compact``); the caller must not mutate ``cache``

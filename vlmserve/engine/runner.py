@@ -491,7 +491,7 @@ class ModelRunner:
         for request_id in ids:
             self.prompts.pop(request_id, None)
             self.held.pop(request_id, None)
-            self.caches.take_prefix(request_id)  # one that ended before it entered
+            self.caches.drop_prefix(request_id)  # one that ended before it entered
         self.batch.remove(ids)
 
 
