@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -72,7 +72,8 @@ def chat_input(req: ChatCompletionRequest, state: ServerState, engine: AsyncEngi
 
 @dataclass(slots=True)
 class Fork:
-    """A choice of a chat request: its own builder over the flight's choice ``index`` (n > 1: 1..n-1)."""
+    """A choice of a chat request: its own builder over the flight's choice ``index`` (0: the request's own,
+    1..n-1: its forks, n > 1)."""
 
     index: int
     builder: ChoiceBuilder
@@ -88,18 +89,28 @@ class Call:
     req: ChatCompletionRequest
     flight: Flight
     first: RequestOutput  # the request's first output (choice 0's)
-    builder: ChoiceBuilder  # choice 0's
     timing: Timing
-    finish: str = "error"
-    forks: list[Fork] = field(default_factory=list)  # choices 1..n-1
+    choices: list[Fork]  # every choice, in order
+
+    @property
+    def builder(self) -> ChoiceBuilder:
+        return self.choices[0].builder
+
+    @property
+    def forks(self) -> list[Fork]:
+        return self.choices[1:]
+
+    @property
+    def finish(self) -> str:
+        return self.choices[0].finish
+
+    @finish.setter
+    def finish(self, reason: str) -> None:
+        self.choices[0].finish = reason
 
     @property
     def usage(self) -> dict[str, Any]:
-        return choices_usage([self.builder.usage, *(f.builder.usage for f in self.forks)])
-
-    @property
-    def choices(self) -> list[Fork]:
-        return [Fork(0, self.builder, self.finish), *self.forks]
+        return choices_usage([c.builder.usage for c in self.choices])
 
     def done(self, status: str, detail: str = "") -> None:
         self.timing.record(status, self.usage, detail)
@@ -170,10 +181,9 @@ async def _open(req: ChatCompletionRequest, http: Request, state: ServerState, r
     if first is GONE:
         timing.record("disconnected", {})
         return None
-    builders = [ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools, opens_reasoning, i)
-                for i in range(n)]
-    return Call(state, served, req, flight, first, builders[0], timing,
-                forks=[Fork(i, b) for i, b in enumerate(builders[1:], 1)])
+    return Call(state, served, req, flight, first, timing, [
+        Fork(i, ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools, opens_reasoning, i))
+        for i in range(n)])
 
 
 async def run_to_end(call: Call) -> RequestOutput:
@@ -185,9 +195,8 @@ async def run_to_end(call: Call) -> RequestOutput:
         raise call.timing.failed(error, call.usage) from None
     finally:
         await call.flight.close()
-    call.finish = call.builder.finish_reason(lasts[0].finish_reason)
-    for fork, last in zip(call.forks, lasts[1:]):
-        fork.finish = fork.builder.finish_reason(last.finish_reason)
+    for choice, last in zip(call.choices, lasts):
+        choice.finish = choice.builder.finish_reason(last.finish_reason)
     call.done(call.finish)
     return lasts[0]
 
@@ -222,7 +231,7 @@ async def _sse(call: Call) -> AsyncIterator[str]:
                         yield sse_event(chunk)
                     if out.finished:
                         live.remove(choice)
-            status = call.finish = choices[0].finish
+            status = call.finish
             if call.req.stream_options and call.req.stream_options.include_usage:
                 yield sse_event(call.builder.usage_chunk(call.usage))
         except APIError as error:  # the stream has begun: the error is its last event

@@ -217,33 +217,30 @@ class _Run:
 
     async def begin(self) -> None:
         """The first prompt submitted and its first output come: until then, any error is the request's status."""
-        await self._room.acquire()
-        try:
-            await self._submit(self.groups[0]).start()
-        except BaseException:
-            await self._flights[0].close()
-            raise
+        await self._open(self.groups[0])
 
     async def all(self) -> None:
         """Every prompt to its end (the first one already begun)."""
         await all_or_none([self._group(i, group) for i, group in enumerate(self.groups)])
 
-    def _submit(self, group: list[Choice]) -> Flight:
-        engine = self.served.engine
-        flight = Flight(engine, f"{self.timing.request_id}-{group[0].index}", PromptInputs(group[0].prompt_ids),
-                        self.params, len(group), self._observe, self._draining, "prompt")
+    async def _open(self, group: list[Choice]) -> Flight:
+        """A prompt submitted in a slot of the batch, once its first output has come."""
+        await self._room.acquire()
+        flight = Flight(self.served.engine, f"{self.timing.request_id}-{group[0].index}",
+                        PromptInputs(group[0].prompt_ids), self.params, len(group), self._observe, self._draining,
+                        "prompt")
         self._flights.append(flight)
+        try:
+            await flight.start()
+        except BaseException:
+            self._room.release()
+            await flight.close()
+            raise
         return flight
 
     async def _group(self, i: int, group: list[Choice]) -> None:
-        if i:
-            await self._room.acquire()
-            flight = self._submit(group)
-        else:
-            flight = self._flights[0]  # begun, in its slot
+        flight = self._flights[0] if i == 0 else await self._open(group)  # the first has begun
         try:
-            if i:
-                await flight.start()
             await all_or_none([self._choice(flight, j, group) for j in range(len(group))])
         finally:
             self._room.release()

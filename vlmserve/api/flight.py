@@ -55,16 +55,11 @@ class Flight:
                  draining: Callable[[], bool], param: str) -> None:
         forks = [(f"{request_id}-{i}", fork_params(params, i)) for i in range(1, n)]
         self.request_id = request_id
-        self.params = params
         # The forks' streams are read only once the request's first output came (then they exist)
         self.streams: list[Stream] = [engine.generate(request_id, prompt, params, forks),
                                       *(engine.follow(fork_id, p) for fork_id, p in forks)]
         self._observe, self._draining, self._param = observe, draining, param
         self._given: list[RequestOutput | None] = [None] * n
-
-    @property
-    def n(self) -> int:
-        return len(self.streams)
 
     async def start(self) -> RequestOutput:
         """The request's first output: once it is here, the prompt is in the engine and its forks' outputs
