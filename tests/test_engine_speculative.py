@@ -31,7 +31,7 @@ from vlmserve.engine.speculative import (
     follow_prediction,
     lookup,
 )
-from vlmserve.testing import ARCHS, build_model
+from vlmserve.testing import FAMILY_BUILDS, build_family, build_model
 
 NGRAM = SpeculativeConfig(prompt_lookup_min=1, adaptive=False)  # a draft wherever any token repeats
 GREEDY = SamplingParams(max_tokens=14, ignore_eos=True)
@@ -163,9 +163,9 @@ def test_no_drafts_where_the_runner_cannot_verify() -> None:
 
 # -- every family, on the real worker ------------------------------------------------------
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=FAMILY_BUILDS)
 def family(request: pytest.FixtureRequest) -> Iterator[Family]:
-    started = _start(build_model(request.param, "micro"), speculative=NGRAM, prefix_cache=False)
+    started = _start(build_family(request.param), speculative=NGRAM, prefix_cache=False)
     yield started
     _stop(started)
 

@@ -29,7 +29,7 @@ from vlmserve.engine.vision_cache import VisionCache
 from vlmserve.frontend.async_engine import AsyncEngine
 from vlmserve.preprocess.images import decode_image
 from vlmserve.preprocess.prompt import PromptBuilder, PromptError
-from vlmserve.testing import ARCHS, build_model
+from vlmserve.testing import ARCHS, FAMILY_BUILDS, build_family, build_model
 from vlmserve.testing.reference import reference_greedy
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -77,9 +77,9 @@ def _stop(family: Family) -> None:
     family.loop.close()
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=FAMILY_BUILDS)
 def family(request: pytest.FixtureRequest) -> Iterator[Family]:
-    started = _start(build_model(request.param, "micro"))
+    started = _start(build_family(request.param))
     yield started
     _stop(started)
 

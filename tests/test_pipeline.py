@@ -36,27 +36,27 @@ from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, Schedule
 from vlmserve.engine.runner import ModelRunner
 from vlmserve.engine.worker import MLXWorkerThread
 from vlmserve.preprocess.prompt import PromptBuilder
-from vlmserve.testing import build_model
+from vlmserve.testing import build_family, build_model
 from vlmserve.testing.build import ARCHS
 
-# (arch, size, kv_shared_layers): every family's micro model, and a Gemma 4 whose last 2 of 6 layers
-# read layers 2 and 3's KV (E2B/E4B's shared KV)
-FAMILIES = [*((arch, "micro", 0) for arch in ARCHS), ("gemma4", "small", 2)]
+# (build, size): every family's micro model, and a Gemma 4 whose last 2 of 6 layers read layers 2 and 3's KV
+# (E2B/E4B's shared KV)
+FAMILIES = [*((arch, "micro") for arch in ARCHS), ("gemma4/e2b", "small")]
 ONE_IMAGE = {"paligemma", "llava_next"}  # what these families' mlx-vlm models take
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = [image_data_url(scene("circle", (220, 30, 30))), image_data_url(scene("square", (30, 30, 220)))]
 
 
-def _id(family: tuple[str, str, int]) -> str:
-    arch, size, shared = family
-    return f"{arch}-{size}" + (f"-kvshared{shared}" if shared else "")
+def _id(family: tuple[str, str]) -> str:
+    name, size = family
+    return f"{name.replace('/', '-')}-{size}"
 
 
 @pytest.fixture(scope="module", params=FAMILIES, ids=_id)
 def pair(request, tmp_path_factory):
     """A two-rank server and a single-process one on the same model."""
-    arch, size, shared = request.param
-    path = str(build_model(arch, size, kv_shared_layers=shared))
+    name, size = request.param
+    path = str(build_family(name, size))
     logs = tmp_path_factory.mktemp(f"pipeline-{_id(request.param)}")
     single = start_server(["--model", path, "--no-prefix-cache"], logs / "single.log")
     try:
@@ -64,7 +64,7 @@ def pair(request, tmp_path_factory):
     except BaseException:
         single.stop()  # a launch that failed must not leave the other server behind
         raise
-    yield path, single, split, 1 if arch in ONE_IMAGE else 2
+    yield path, single, split, 1 if name in ONE_IMAGE else 2
     single.stop()
     assert split.stop() == 0, split.log
 

@@ -7,6 +7,7 @@ Models are random (seeded), in Hugging Face layout with MLX weight names, with a
 BPE tokenizer, the architecture's real processor and a chat template in its real syntax.
 """
 
-from .build import ARCHS, BUILDER_VERSION, SIZES, build_model, model_cache_dir
+from .build import ARCHS, BUILDER_VERSION, FAMILY_BUILDS, SIZES, VARIANTS, build_family, build_model, model_cache_dir
 
-__all__ = ["ARCHS", "BUILDER_VERSION", "SIZES", "build_model", "model_cache_dir"]
+__all__ = ["ARCHS", "BUILDER_VERSION", "FAMILY_BUILDS", "SIZES", "VARIANTS", "build_family", "build_model",
+           "model_cache_dir"]

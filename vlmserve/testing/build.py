@@ -27,6 +27,12 @@ ARCHS = (
     "mistral3", "pixtral", "smolvlm", "paligemma", "llava", "llava_next", "lfm2_vl",
 )  # fmt: skip
 SIZES = ("micro", "small")
+# Builds of an architecture with the real checkpoints' optional features on, which its tests also run: Gemma 4's
+# E2B/E4B (the last layers read earlier layers' KV, per-layer inputs, double-wide MLPs) and 26B-A4B (a
+# mixture-of-experts block, keys as values on full-attention layers).
+VARIANTS: dict[str, tuple[str, ...]] = {"gemma4": ("e2b", "moe")}
+# Every build the family tests run: each architecture, then each variant as ``arch/variant``.
+FAMILY_BUILDS = (*ARCHS, *(f"{arch}/{variant}" for arch, names in VARIANTS.items() for variant in names))
 # Bump when anything that shapes the files changes: the cache key includes it.
 BUILDER_VERSION = 5  # 5: Qwen2/2.5-VL write their video processor's settings where mlx-vlm reads them
 MARKER = "vlmserve_build.json"  # written last inside the build; names what was built
@@ -41,8 +47,7 @@ class BuildKey:
     ignore_eos: bool
     quant_bits: int = 0  # 0: float weights; 4 or 8: quantized by mlx-vlm's own convert
     tools: bool = False  # tuned to answer one tool round trip (tool_tuning.py)
-    # Gemma 4 only: its last layers read earlier layers' KV, as E2B/E4B's last 20 of 35 do
-    kv_shared_layers: int = 0
+    variant: str = ""  # one of VARIANTS[arch]; "": the architecture's plain build
     builder_version: int = BUILDER_VERSION
     # the tokenizer is trained on this interpreter's stdlib sources
     python: str = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -51,8 +56,8 @@ class BuildKey:
         """The key as the marker file keeps it; a field at its default that older builds lack is left
         out, so their cached builds still match."""
         record = asdict(self)
-        if not self.kv_shared_layers:
-            del record["kv_shared_layers"]
+        if not self.variant:
+            del record["variant"]
         return record
 
     @property
@@ -60,9 +65,9 @@ class BuildKey:
         eos = "-ignore_eos" if self.ignore_eos else ""
         quant = f"-q{self.quant_bits}" if self.quant_bits else ""
         tools = "-tools" if self.tools else ""
-        shared = f"-kvshared{self.kv_shared_layers}" if self.kv_shared_layers else ""
+        variant = f"-{self.variant}" if self.variant else ""
         version = f"v{self.builder_version}-py{self.python}"
-        return f"{self.arch}-{self.size}-seed{self.seed}{eos}{quant}{tools}{shared}-{version}"
+        return f"{self.arch}-{self.size}-seed{self.seed}{eos}{quant}{tools}{variant}-{version}"
 
 
 def model_cache_dir() -> Path:
@@ -80,7 +85,7 @@ def build_model(
     ignore_eos: bool = False,
     quant_bits: int = 0,
     tools: bool = False,
-    kv_shared_layers: int = 0,
+    variant: str = "",
     force: bool = False,
 ) -> Path:
     """Return a directory ``mlx_vlm.load`` can load, building it unless it is already complete.
@@ -89,16 +94,16 @@ def build_model(
     rows so every request runs to max_tokens (for benchmarks, see weights.silence_tokens);
     ``quant_bits=4`` quantizes the language model as ``mlx_vlm.convert -q`` does (group 64);
     ``tools=True`` fine-tunes the model to answer one tool round trip in its family's syntax;
-    ``kv_shared_layers`` (Gemma 4) makes that many last layers read earlier layers' KV.
+    ``variant`` (one of ``VARIANTS[arch]``) turns on the real checkpoints' optional features.
     """
     if quant_bits not in (0, 4, 8):
         raise ValueError(f"quant_bits must be 0, 4 or 8, not {quant_bits}")
     if quant_bits and tools:
         raise ValueError("a model is either quantized or tuned for tools, not both")
-    if kv_shared_layers and (arch != "gemma4" or quant_bits or tools):
-        raise ValueError("kv_shared_layers is a float Gemma 4 build's")
+    if variant and (quant_bits or tools):
+        raise ValueError("a variant is a float build's")
     key = BuildKey(_checked(arch, ARCHS, "arch"), _checked(size, SIZES, "size"), seed, ignore_eos, quant_bits, tools,
-                   kv_shared_layers)
+                   variant and _checked(variant, VARIANTS.get(arch, ()), "variant"))
     dest = Path(out) if out is not None else model_cache_dir() / key.dirname
     if not force and is_complete(dest, key):
         return dest
@@ -166,7 +171,7 @@ def write_model(key: BuildKey, path: Path) -> None:
     from vlmserve.progress import progress
 
     start = time.perf_counter()
-    recipe = load_recipe(key.arch, key.size, key.kv_shared_layers)
+    recipe = load_recipe(key.arch, key.size, key.variant)
     with progress(STAGES, desc=f"building {key.arch}/{key.size}", file=sys.stderr, leave=False) as bar:
         bar.set_postfix_str("tokenizer")
         tokenizer = _build_tokenizer(recipe)
@@ -224,12 +229,18 @@ def _write_tuned(key: BuildKey, path: Path) -> None:
     _write_json(path / MARKER, info)
 
 
-def load_recipe(arch: str, size: str, kv_shared_layers: int = 0) -> Recipe:
+def load_recipe(arch: str, size: str, variant: str = "") -> Recipe:
     # imported here: the arch modules import mlx, which a cache hit must not pay for
     module = importlib.import_module(f"{__package__}.{arch}")
-    if kv_shared_layers:
-        return module.recipe(size, kv_shared_layers)
+    if variant:
+        return module.recipe(size, variant)
     return module.recipe(size)
+
+
+def build_family(name: str, size: str = "micro", **options: Any) -> Path:
+    """``build_model`` for one of ``FAMILY_BUILDS``: an architecture, or ``arch/variant``."""
+    arch, _, variant = name.partition("/")
+    return build_model(arch, size, variant=variant, **options)
 
 
 def _build_tokenizer(recipe: Recipe) -> Any:

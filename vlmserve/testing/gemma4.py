@@ -8,6 +8,7 @@ Token names follow the real Gemma 4 tokenizer (boi ``<|image>``, image ``<|image
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +57,18 @@ VIDEO_SOFT_TOKENS = 70  # Gemma4VideoProcessor accepts only 70/140/280/560/1120
 # stock mlx-cpu wheel bf16 matmuls beat its reference float32 BLAS (see shared/FACTS.md).
 DIMS = {"micro": MICRO, "small": SMALL}
 PER_LAYER_INPUT = {"micro": 8, "small": 32}  # Gemma 4 E2B/E4B's per-layer token embeddings
+KV_SHARED_LAYERS = 2  # the "e2b" variant's layers that read earlier layers' KV (E2B: the last 20 of 35)
+E2B_LAYERS = 6
+MOE = {"num_experts": 8, "top_k_experts": 2}  # the "moe" variant's router (26B-A4B: 128 experts, top 8)
 
 
-def recipe(size: str, kv_shared_layers: int = 0) -> Recipe:
+def recipe(size: str, variant: str = "") -> Recipe:
+    """``variant``: "" (the plain build), "e2b" (E2B/E4B: the last layers read earlier layers' KV, per-layer
+    inputs, double-wide MLPs on the sharing layers; micro gets 4 layers for it) or "moe" (26B-A4B: a
+    mixture-of-experts block beside each dense MLP, keys as values on the full-attention layers)."""
     dims = DIMS[size]
+    if variant == "e2b":  # 6 layers: the shared ones read layers 2 and 3, so a prompt may split before them
+        dims = replace(dims, layers=max(dims.layers, E2B_LAYERS))
     tokens = TokenizerSpec(
         vocab_size=dims.vocab,
         special_tokens=SPECIAL_TOKENS,
@@ -71,13 +80,13 @@ def recipe(size: str, kv_shared_layers: int = 0) -> Recipe:
         arch="gemma4",
         dims=dims,
         tokens=tokens,
-        config=model_config(dims, tokens, PER_LAYER_INPUT[size], kv_shared_layers),
+        config=model_config(dims, tokens, PER_LAYER_INPUT[size], variant),
         make_processor=lambda tokenizer: make_processor(tokenizer, dims),
         fix_init=fix_init,
     )
 
 
-def text_config(dims: Dims, per_layer_input: int, kv_shared_layers: int = 0) -> dict[str, Any]:
+def text_config(dims: Dims, per_layer_input: int, variant: str = "") -> dict[str, Any]:
     layer_types = ["sliding_attention"] * dims.layers
     layer_types[-1] = "full_attention"  # like Gemma 4: sliding layers, then a global one
     if dims.layers > 3:
@@ -94,14 +103,20 @@ def text_config(dims: Dims, per_layer_input: int, kv_shared_layers: int = 0) -> 
         "vocab_size": dims.vocab,
         "vocab_size_per_layer_input": dims.vocab,
         "hidden_size_per_layer_input": per_layer_input,
-        "num_kv_shared_layers": kv_shared_layers,
+        "num_kv_shared_layers": KV_SHARED_LAYERS if variant == "e2b" else 0,
         "sliding_window": 512,
         "layer_types": layer_types,
         "max_position_embeddings": 32768,
         "final_logit_softcapping": 30.0,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
+        **(_moe(dims) if variant == "moe" else {}),
     }
+
+
+def _moe(dims: Dims) -> dict[str, Any]:
+    return {"enable_moe_block": True, **MOE, "moe_intermediate_size": dims.intermediate // 2,
+            "attention_k_eq_v": True, "num_global_key_value_heads": dims.kv_heads}
 
 
 def vision_config(dims: Dims) -> dict[str, Any]:
@@ -123,12 +138,12 @@ def vision_config(dims: Dims) -> dict[str, Any]:
     }
 
 
-def model_config(dims: Dims, tokens: TokenizerSpec, per_layer_input: int, kv_shared_layers: int = 0) -> dict[str, Any]:
+def model_config(dims: Dims, tokens: TokenizerSpec, per_layer_input: int, variant: str = "") -> dict[str, Any]:
     ids = {name: tokens.id_of(token) for name, token in NAMED_TOKENS.items()}
     return {
         "architectures": ["Gemma4ForConditionalGeneration"],
         "model_type": "gemma4",
-        "text_config": text_config(dims, per_layer_input, kv_shared_layers),
+        "text_config": text_config(dims, per_layer_input, variant),
         "vision_config": vision_config(dims),
         # absent, mlx_vlm.load builds a default 12-layer audio tower, then drops it with a warning
         "audio_config": None,

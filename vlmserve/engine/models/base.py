@@ -273,9 +273,10 @@ class ModelAdapter:
         """
         assert all(getattr(c, "offset", 0) == 0 for c in cache[first:last]), "a prompt split by layers starts at 0"
         text_model = self.language_model.model
-        layers = text_model.layers
         scratch = self.make_cache()
-        caches = [cache[i] if first <= i < last else scratch[i] for i in range(len(layers))]
+        # One cache per layer that keeps KV: fewer than the layers where later ones read earlier ones' (Gemma 4's
+        # shared KV); the model gives those none
+        caches = [cache[i] if first <= i < last else scratch[i] for i in range(len(cache))]
         with tapped(text_model, "layers", first, last, hidden) as exit_tap:
             logits = self.prefill(input_ids, embedded, 0, input_ids.shape[1], caches)
         self.settle(cache)  # the piece's layers are filled now (``prefill`` settled its own list)
