@@ -153,9 +153,11 @@ def _model_routes(app: FastAPI, state: ServerState) -> None:
         info = engine.info if engine.ready else None
         limit = info.max_context if info is not None else None
         status = served.status
-        extra = {"reason": served.problem or engine.dead_reason} if status in ("unavailable", "failed") else {}
+        extra: dict[str, Any] = {"reason": served.problem or engine.dead_reason} if status in ("unavailable", "failed") else {}
         if status == "available" and served.last_error:
             extra["last_error"] = served.last_error  # its next request tries again
+        if info is not None:  # which adapter serves it; for a family none names, what is off and why
+            extra |= {"adapter": info.adapter, **({"untested": list(info.untested)} if info.untested else {})}
         return {"id": served.name, "object": "model", "created": info.created if info is not None else 0, "owned_by": "vlmserve",
                 "root": engine.model_spec, "parent": None, "max_model_len": limit, "status": status,
                 "pinned": served.pinned, **extra}

@@ -21,7 +21,7 @@ from vlmserve.engine.core import EngineCore
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.kv_quant import kv_quant_for
 from vlmserve.engine.loader import LoadedModel, ModelLoadError, configure_process, load_drafter, load_model
-from vlmserve.engine.models import SUPPORTED_FAMILIES
+from vlmserve.engine.models import SUPPORTED_FAMILIES, UNTESTED_OFF
 from vlmserve.engine.pipeline import Stage, load_stage
 from vlmserve.engine.pipeline_runner import Follower, Leader, Watch
 from vlmserve.engine.request import Publisher
@@ -72,8 +72,21 @@ class Assembled:
     def warmup_failed(self, name: str, reason: str | None) -> ModelLoadError:
         """A load whose warm-up failed; for a family no adapter names, the ones that are tested."""
         model_type = self.loaded.model_type
-        untested = "" if model_type in SUPPORTED_FAMILIES else f"; supported families: {', '.join(SUPPORTED_FAMILIES)}"
+        untested = "" if self.loaded.adapter.tested else f"; tested families: {', '.join(SUPPORTED_FAMILIES)}"
         return ModelLoadError(f"model {name!r} ({model_type}) failed its warm-up: {reason}{untested}")
+
+    def untested_refused(self, name: str, reason: str) -> ModelLoadError:
+        """The one line that refuses a family no adapter names, where it does not answer as mlx-vlm does."""
+        return ModelLoadError(f"model {name!r}: model type {self.loaded.model_type!r} is not served: it is untested "
+                              f"here and {reason}; tested families: {', '.join(SUPPORTED_FAMILIES)}")
+
+    def untested(self, config: EngineConfig) -> tuple[str, ...]:
+        """For a family no adapter names, what is off and why (nothing for a tested one)."""
+        if self.loaded.adapter.tested:
+            return ()
+        batching = () if config.max_batch_size > 1 else ("decode batching is off: its probes gave other tokens "
+                                                         "together than alone",)
+        return (*UNTESTED_OFF, *batching)
 
     def heartbeat(self) -> None:
         """On the worker, between steps: ping every rank (nothing alone), so that a rank that hangs while
@@ -91,8 +104,12 @@ class Assembled:
         KV (a warning where it was asked for and is off), the disk tier, and each cache asked for that is
         off, with why."""
         loaded = self.loaded
+        adapter = type(loaded.adapter).__name__
+        lines = [(logging.INFO, f"model {name} ({loaded.model_type}): served by {adapter}")] if loaded.adapter.tested else \
+            [(logging.WARNING, f"model {name} ({loaded.model_type}): no adapter names this family, so it is served by "
+              f"{adapter}: {'; '.join(self.untested(config))}")]
         said = _speculation(name, loaded, core, config)
-        lines = [(logging.INFO, said)] if said is not None else []
+        lines += [(logging.INFO, said)] if said is not None else []
         quant = loaded.adapter.kv_quant
         if quant is not None:
             lines.append((logging.INFO, f"model {name}: KV quantized to {quant.bits} bits (groups of {quant.group_size}) from "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import itertools
 import logging
 import math
@@ -28,6 +29,7 @@ from vlmserve.engine.memory import KVBudget
 from vlmserve.engine.params import Guide, PromptInputs, SamplingParams
 from vlmserve.engine.request import AbortRequest, AddRequest, EngineMetrics, StepOutput, StepOutputs
 from vlmserve.engine.worker import MLXWorkerThread
+from vlmserve.frontend import self_check
 from vlmserve.frontend.output import OutputProcessor, RequestOutput
 from vlmserve.preprocess.guided import GuideCompiler, GuideSpec
 from vlmserve.preprocess.prompt import PromptBuilder, PromptError
@@ -82,6 +84,8 @@ class ModelInfo:
     media_token_ids: frozenset[int]  # the image placeholder ids a token prompt may not hold
     max_pixels: int | None  # the image processor's own pixel budget where it resizes to one (Qwen's)
     weights_bytes: int
+    adapter: str  # the adapter that serves it (engine/models/)
+    untested: tuple[str, ...] = ()  # for a family no adapter names: what is off, and why
 
 
 STARTING_RETRY_S = 5  # Retry-After while a model loads: its load time is not known until it is done
@@ -162,13 +166,16 @@ class AsyncEngine:
         if warmup:
             await self._warmup()
             await self.worker.run(self.core.reset_caches)
+        if not self.loaded.adapter.tested:
+            await self._check_untested(assembled)
         probe = await asyncio.get_running_loop().run_in_executor(
             self._pool, self.prompter.build, [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
         kv, costs, self._metrics = await self.worker.run(self.core.calibrate, probe)
         self.kv = kv
         self._info = ModelInfo(self.name, self.loaded.model_type, self.created, self.loaded.max_context,
                                self.config.max_batch_size, self.tool_format, self.prompter.media_token_ids,
-                               self._max_pixels(), self.loaded.weights_bytes)
+                               self._max_pixels(), self.loaded.weights_bytes, type(self.loaded.adapter).__name__,
+                               assembled.untested(self.config))
         self.ready = True
         self._watchdog = asyncio.create_task(self._watch_consumers())
         if self.stage is not None:
@@ -271,17 +278,46 @@ class AsyncEngine:
         for images in ([image], []):
             parts = [*({"type": "image"} for _ in images), {"type": "text", "text": "Hi"}]
             request_id = f"warmup-{next(_ids)}"
-            self._start_ids.add(request_id)
+            chat = [{"role": "user", "content": parts}]
             try:
-                outputs = [o async for o in self.generate_chat(request_id, [{"role": "user", "content": parts}],
-                                                                images, None, params)]
+                factory: PromptFactory = lambda p: p.build(chat, images)  # noqa: B023, E731 - used in this pass only
+                outputs = [o async for o in self._before_ready(request_id, factory, params)]
             except Exception as exc:  # noqa: BLE001 - phase 1 or admission: the model cannot serve
                 raise assembled.warmup_failed(self.name, f"{type(exc).__name__}: {exc}") from exc
-            finally:
-                self._start_ids.discard(request_id)
-                self.abort(request_id)  # whatever happened, the warm-up leaves nothing behind
             if not outputs or outputs[-1].error is not None:
                 raise assembled.warmup_failed(self.name, outputs[-1].error if outputs else "no output")
+
+    async def _before_ready(self, request_id: str, prompt: PromptInputs | PromptFactory, params: SamplingParams
+                            ) -> AsyncGenerator[RequestOutput, None]:
+        """A start-up request (the warm-up's, the self-check's): served before the engine is ready, and
+        whatever happens, nothing of it left behind."""
+        self._start_ids.add(request_id)
+        try:
+            async for out in self.generate(request_id, prompt, params):
+                yield out
+        finally:
+            self._start_ids.discard(request_id)
+            self.abort(request_id)
+
+    async def _check_untested(self, assembled: Assembled) -> None:
+        """A family no adapter names serves only where it answers as mlx-vlm does (frontend/self_check.py);
+        its decode batching only where the probes decoded together gave their tokens alone."""
+        assert self.loaded is not None and self.prompter is not None and self.core is not None
+        try:
+            verdict = await self_check.check(self.loaded, self.prompter, self._pool, self.worker, self._before_ready)
+        except Exception as exc:  # noqa: BLE001 - a probe mlx-vlm ran that this server could not
+            raise assembled.untested_refused(self.name, f"a probe failed here: {type(exc).__name__}: {exc}") from exc
+        if verdict.refusal is not None:
+            raise assembled.untested_refused(self.name, verdict.refusal)
+        if not verdict.batches:  # one request at a time, as mlx-vlm's own decode
+            self.config = dataclasses.replace(self.config, max_batch_size=1)
+            self.core = assembled.core(self.worker, self._publish_threadsafe, self.config, self._lost_threadsafe,
+                                       self.on_stuck)
+            self.worker.set_stepper(self.core)
+        log.warning("model %s (%s): an untested family: %d probes gave mlx-vlm's own prompt ids and greedy tokens; "
+                    "decode batching %s", self.name, self.loaded.model_type, verdict.probes,
+                    "on (the probes gave the same tokens together)" if verdict.batches else
+                    "off (the probes gave other tokens together): one request at a time")
 
     async def shutdown(self, message: str = "engine is shutting down") -> None:
         """Wake every waiting request with an error, stop the worker and join it."""

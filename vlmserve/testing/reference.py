@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from vlmserve.engine.oracle import greedy
 from vlmserve.engine.params import PromptInputs
 from vlmserve.engine.runner import on_device
 
@@ -20,16 +21,11 @@ from vlmserve.engine.runner import on_device
 def reference_greedy(model: Any, prompt: PromptInputs, max_tokens: int, **kv: Any) -> list[int]:
     """``mlx_vlm.generate``'s step function, greedy, on exactly these inputs; never stops at EOS. ``kv``:
     its KV quantization keywords (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``)."""
-    from mlx_vlm.generate.ar import generate_step
-
     input_ids = mx.array(prompt.input_ids, dtype=mx.int32)[None]
     arrays = on_device(prompt.arrays)
     pixel_values = arrays.pop("pixel_values", None)
-    mask = mx.ones(input_ids.shape, dtype=mx.int32)  # the processor's attention mask for one prompt
     with _windows_kept(bool(kv.get("kv_bits"))):
-        steps = generate_step(input_ids, model, pixel_values, mask, max_tokens=max_tokens, temperature=0.0, **kv,
-                              **arrays)
-        return [int(token) for token, _ in steps]
+        return greedy(model, input_ids, pixel_values, arrays, max_tokens, **kv)
 
 
 @contextmanager

@@ -13,15 +13,16 @@ from vlmserve.engine.models.gemma import Gemma3Adapter, Gemma4Adapter, PaliGemma
 from vlmserve.engine.models.lfm2_vl import LFM2VLAdapter
 from vlmserve.engine.models.llava import LlavaAdapter, LlavaNextAdapter
 from vlmserve.engine.models.mistral import MistralAdapter
-from vlmserve.engine.models.qwen import MRoPEAdapter, Qwen3VLAdapter, UntestedMRoPEAdapter
+from vlmserve.engine.models.qwen import MRoPEAdapter, Qwen3VLAdapter
 from vlmserve.engine.models.smolvlm import SmolVLMAdapter
+from vlmserve.engine.models.untested import UNTESTED_OFF, UntestedAdapter
 
 _ADAPTERS: tuple[type[ModelAdapter], ...] = (
     Gemma3Adapter, Gemma4Adapter, PaliGemmaAdapter, MRoPEAdapter, Qwen3VLAdapter, MistralAdapter, LlavaAdapter,
     LlavaNextAdapter, SmolVLMAdapter, LFM2VLAdapter,
 )  # fmt: skip
 
-# Every family with an adapter is tested here; others go through the default, untested.
+# Every family with an adapter is tested here; others go through the untested one (engine/models/untested.py).
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(sorted({t for a in _ADAPTERS for t in a.model_types}))
 
 
@@ -35,19 +36,18 @@ def adapter_class(model_type: str) -> type[ModelAdapter] | None:
 
 
 def adapter_for(model: nn.Module, model_type: str) -> ModelAdapter:
-    """The family's adapter; the default for untested families that look like the default's."""
+    """The family's adapter; for a family none names, the untested one (mlx-vlm's own call path, checked
+    against mlx-vlm's decode at start-up), where mlx-vlm's model has the parts it calls."""
     adapter = adapter_class(model_type)
     if adapter is not None:
         return adapter(model)
-    language_model = getattr(model, "language_model", None)
-    if language_model is None or not hasattr(model, "get_input_embeddings"):
+    if getattr(model, "language_model", None) is None or not hasattr(model, "get_input_embeddings"):
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported: mlx-vlm's model has no language_model "
-            f"or get_input_embeddings; supported families: {', '.join(SUPPORTED_FAMILIES)}"
+            f"or get_input_embeddings; tested families: {', '.join(SUPPORTED_FAMILIES)}"
         )
-    if hasattr(language_model, "_rope_deltas"):  # an M-RoPE family we have not seen
-        return UntestedMRoPEAdapter(model)
-    return ModelAdapter(model)
+    return UntestedAdapter(model)
 
 
-__all__ = ["SUPPORTED_FAMILIES", "Embedded", "ModelAdapter", "UnsupportedModelError", "adapter_class", "adapter_for"]
+__all__ = ["SUPPORTED_FAMILIES", "UNTESTED_OFF", "Embedded", "ModelAdapter", "UnsupportedModelError", "adapter_class",
+           "adapter_for"]

@@ -56,6 +56,8 @@ class ModelAdapter:
     """The default: ``get_input_embeddings`` then the language model, causal image tokens."""
 
     model_types: ClassVar[tuple[str, ...]] = ()
+    # Is the family tested here (parity, batching, caches)? Not for a model_type no adapter names.
+    tested: ClassVar[bool] = True
     # May an image prompt be prefilled over several steps? Only if its image tokens attend causally.
     chunk_images: ClassVar[bool] = True
     # The family's tool-call format when its chat template does not reveal one.

@@ -67,13 +67,3 @@ class Qwen3VLAdapter(MRoPEAdapter):
         # the batch's other rows (measured); image prompts prefill on their own.
         return not prompt.has_images
 
-
-class UntestedMRoPEAdapter(MRoPEAdapter):
-    """An M-RoPE family no adapter names (``adapter_for``'s guess): Qwen's call path, but an image
-    prompt's restored prefix is not trusted to continue exactly."""
-
-    model_types: ClassVar[tuple[str, ...]] = ()
-
-    @property
-    def mm_prefix_exact(self) -> bool:
-        return False

@@ -1,0 +1,90 @@
+"""[loop] The start-up check of a family no adapter names: served only where it answers as mlx-vlm does.
+
+For such a model nothing is known but that mlx-vlm loads it, so mlx-vlm's own answer is the truth. A few
+probe turns (text, one picture, two) go through mlx-vlm's prompt path and greedy decode
+(``engine/oracle.py``) and through this server's own (the chat template, the engine). The model is
+refused, in one line, where the prompt ids or the tokens differ; decode batching stays on only where the
+probes decoded together give each its tokens alone. Probes that mlx-vlm's own path cannot run (a family
+that takes one image) are left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image, ImageDraw
+
+from vlmserve.engine.loader import LoadedModel
+from vlmserve.engine.oracle import Answer, mlx_vlm_answer
+from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.worker import MLXWorkerThread
+from vlmserve.frontend.output import RequestOutput
+from vlmserve.preprocess.prompt import PromptBuilder
+
+PROBE_TOKENS = 8
+PROBES = (("Write one sentence about the sea.", 0), ("Describe this picture.", 1), ("Compare the two pictures.", 2))
+
+Generate = Callable[[str, PromptInputs, SamplingParams], AsyncIterator[RequestOutput]]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    refusal: str | None  # why the model is not served (None: it is)
+    batches: bool  # did the probes decoded together each give their tokens alone?
+    probes: int  # how many probes ran
+
+
+def pictures(n: int) -> list[Image.Image]:
+    """``n`` distinct pictures, not square, with shapes a tower can tell apart."""
+    out = []
+    for i in range(n):
+        image = Image.new("RGB", (112, 84), (40 + 90 * i, 160, 200 - 80 * i))
+        draw = ImageDraw.Draw(image)
+        draw.ellipse((10 + 30 * i, 10, 60 + 30 * i, 60), fill=(220, 40 * i, 30))
+        out.append(image)
+    return out
+
+
+async def check(loaded: LoadedModel, prompter: PromptBuilder, pool: Executor, worker: MLXWorkerThread,
+                generate: Generate) -> Verdict:
+    """Run the probes: refuse the model at the first difference from mlx-vlm, then try them together."""
+    loop = asyncio.get_running_loop()
+    params = SamplingParams(max_tokens=PROBE_TOKENS, ignore_eos=True)
+    ran: list[tuple[PromptInputs, list[int]]] = []
+    for text, count in PROBES:
+        images = pictures(count)
+        try:
+            want: Answer = await worker.run(mlx_vlm_answer, loaded, text, images, PROBE_TOKENS)
+        except Exception:  # noqa: BLE001 - mlx-vlm's own path cannot run this probe: nothing to hold us to
+            continue
+        parts: list[dict[str, Any]] = [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
+        prompt = await loop.run_in_executor(pool, prompter.build, [{"role": "user", "content": parts}], images)
+        what = f"a turn with {count} image{'s' * (count > 1)}" if count else "a text turn"
+        if prompt.input_ids != want.prompt:
+            return Verdict(_differ("prompt ids", what, prompt.input_ids, want.prompt), False, len(ran))
+        got = await _tokens(generate, f"self-check-{len(ran)}", prompt, params)
+        if got != want.tokens:
+            return Verdict(_differ("greedy tokens", what, got, want.tokens), False, len(ran))
+        ran.append((prompt, got))
+    if not ran:
+        return Verdict("mlx-vlm's own prompt path failed on every probe", False, 0)
+    together = await asyncio.gather(*(_tokens(generate, f"self-check-b{i}", p, params) for i, (p, _) in enumerate(ran)))
+    return Verdict(None, together == [want for _, want in ran], len(ran))
+
+
+async def _tokens(generate: Generate, request_id: str, prompt: PromptInputs, params: SamplingParams) -> list[int]:
+    out: list[int] = []
+    async for step in generate(request_id, prompt, params):
+        if step.error is not None:
+            raise RuntimeError(step.error)
+        out += step.token_ids
+    return out
+
+
+def _differ(what: str, probe: str, ours: list[int], theirs: list[int]) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return f"its {what} on {probe} differ from mlx-vlm's own from position {at}"
