@@ -22,10 +22,10 @@ from server_utils import start_server
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import ModelLoadError
 from vlmserve.engine.models import SUPPORTED_FAMILIES, UNTESTED_OFF, adapter_class
-from vlmserve.engine.oracle import mlx_vlm_answer
 from vlmserve.engine.params import SamplingParams
 from vlmserve.frontend.async_engine import AsyncEngine
 from vlmserve.testing import build_model
+from vlmserve.testing.reference import mlx_vlm_answer
 
 TOKENS = 10
 
@@ -71,7 +71,7 @@ def test_an_untested_family_answers_as_mlx_vlms_own_decode_alone_and_together(en
     red, blue = scene("circle", (220, 30, 30)), scene("square", (30, 60, 220), size=80)
     turns = [("What is the capital of France?", []), ("What is in the picture?", [red]),
              ("Which picture is bluer?", [red, blue]), ("Describe it.", [blue])]
-    want = [served.worker.call(mlx_vlm_answer, served.loaded, text, images, TOKENS).tokens for text, images in turns]
+    want = [served.worker.call(mlx_vlm_answer, served.loaded, text, images, TOKENS)[1] for text, images in turns]
     alone = [loop.run_until_complete(_answer(served, f"a{i}", *turn)) for i, turn in enumerate(turns)]
 
     async def together() -> list[list[int]]:
@@ -90,7 +90,7 @@ def test_the_server_says_which_adapter_serves_it_and_what_is_off(idefics3: Path,
     finally:
         server.stop()
     assert card["adapter"] == "UntestedAdapter" and card["untested"] == list(UNTESTED_OFF)
-    assert "probes gave mlx-vlm's own prompt ids and greedy tokens" in log
+    assert "3 probes gave mlx-vlm's own prompt ids and greedy choices (up to rounding); decode batching on" in log
     assert "no adapter names this family, so it is served by UntestedAdapter" in log
 
 

@@ -84,8 +84,8 @@ class Assembled:
         """For a family no adapter names, what is off and why (nothing for a tested one)."""
         if self.loaded.adapter.tested:
             return ()
-        batching = () if config.max_batch_size > 1 else ("decode batching is off: its probes gave other tokens "
-                                                         "together than alone",)
+        batching = () if config.max_batch_size > 1 else ("decode batching is off: its probes decoded together "
+                                                         "left mlx-vlm's greedy choices",)
         return (*UNTESTED_OFF, *batching)
 
     def heartbeat(self) -> None:

@@ -314,10 +314,10 @@ class AsyncEngine:
             self.core = assembled.core(self.worker, self._publish_threadsafe, self.config, self._lost_threadsafe,
                                        self.on_stuck)
             self.worker.set_stepper(self.core)
-        log.warning("model %s (%s): an untested family: %d probes gave mlx-vlm's own prompt ids and greedy tokens; "
-                    "decode batching %s", self.name, self.loaded.model_type, verdict.probes,
-                    "on (the probes gave the same tokens together)" if verdict.batches else
-                    "off (the probes gave other tokens together): one request at a time")
+        log.warning("model %s (%s): an untested family: %d probes gave mlx-vlm's own prompt ids and greedy choices "
+                    "(up to rounding); decode batching %s", self.name, self.loaded.model_type, verdict.probes,
+                    "on (so did the probes decoded together)" if verdict.batches else
+                    "off (the probes decoded together did not): one request at a time")
 
     async def shutdown(self, message: str = "engine is shutting down") -> None:
         """Wake every waiting request with an error, stop the worker and join it."""

@@ -1,11 +1,13 @@
 """[loop] The start-up check of a family no adapter names: served only where it answers as mlx-vlm does.
 
 For such a model nothing is known but that mlx-vlm loads it, so mlx-vlm's own answer is the truth. A few
-probe turns (text, one picture, two) go through mlx-vlm's prompt path and greedy decode
-(``engine/oracle.py``) and through this server's own (the chat template, the engine). The model is
-refused, in one line, where the prompt ids or the tokens differ; decode batching stays on only where the
-probes decoded together give each its tokens alone. Probes that mlx-vlm's own path cannot run (a family
-that takes one image) are left out.
+probe turns (text, one picture, two) go through mlx-vlm's prompt path (``engine/oracle.py``) and through this
+server's own (the chat template, the engine): the prompt ids must be the same, and each token the engine
+decodes greedily must be mlx-vlm's model's greedy choice after the same ids and pixels, up to rounding (in
+bf16 two orders of the same sums may pick either of two tokens a unit in the last place apart; a lost
+image feature or a wrong position is far more). The model is refused, in one line, where either fails;
+decode batching stays on only where the probes decoded together pass too. Probes that mlx-vlm's own path
+cannot run (a family that takes one image) are left out.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from PIL import Image, ImageDraw
 
 from vlmserve.engine.loader import LoadedModel
-from vlmserve.engine.oracle import Answer, mlx_vlm_answer
+from vlmserve.engine.oracle import first_departure, mlx_vlm_prompt
 from vlmserve.engine.params import PromptInputs, SamplingParams
 from vlmserve.engine.worker import MLXWorkerThread
 from vlmserve.frontend.output import RequestOutput
@@ -54,26 +56,29 @@ async def check(loaded: LoadedModel, prompter: PromptBuilder, pool: Executor, wo
     """Run the probes: refuse the model at the first difference from mlx-vlm, then try them together."""
     loop = asyncio.get_running_loop()
     params = SamplingParams(max_tokens=PROBE_TOKENS, ignore_eos=True)
-    ran: list[tuple[PromptInputs, list[int]]] = []
+    ran: list[tuple[str, list[Any], PromptInputs]] = []
     for text, count in PROBES:
         images = pictures(count)
         try:
-            want: Answer = await worker.run(mlx_vlm_answer, loaded, text, images, PROBE_TOKENS)
+            want: list[int] = await worker.run(mlx_vlm_prompt, loaded, text, images)
         except Exception:  # noqa: BLE001 - mlx-vlm's own path cannot run this probe: nothing to hold us to
             continue
         parts: list[dict[str, Any]] = [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
         prompt = await loop.run_in_executor(pool, prompter.build, [{"role": "user", "content": parts}], images)
         what = f"a turn with {count} image{'s' * (count > 1)}" if count else "a text turn"
-        if prompt.input_ids != want.prompt:
-            return Verdict(_differ("prompt ids", what, prompt.input_ids, want.prompt), False, len(ran))
+        if prompt.input_ids != want:
+            return Verdict(_differ("prompt ids", what, _first_difference(prompt.input_ids, want)), False, len(ran))
         got = await _tokens(generate, f"self-check-{len(ran)}", prompt, params)
-        if got != want.tokens:
-            return Verdict(_differ("greedy tokens", what, got, want.tokens), False, len(ran))
-        ran.append((prompt, got))
+        at = await worker.run(first_departure, loaded, text, images, got)
+        if at is not None:
+            return Verdict(_differ("greedy tokens", what, at), False, len(ran))
+        ran.append((text, images, prompt))
     if not ran:
         return Verdict("mlx-vlm's own prompt path failed on every probe", False, 0)
-    together = await asyncio.gather(*(_tokens(generate, f"self-check-b{i}", p, params) for i, (p, _) in enumerate(ran)))
-    return Verdict(None, together == [want for _, want in ran], len(ran))
+    together = await asyncio.gather(*(_tokens(generate, f"self-check-b{i}", p, params) for i, (_, _, p) in enumerate(ran)))
+    departed = [await worker.run(first_departure, loaded, text, images, got)
+                for (text, images, _), got in zip(ran, together)]
+    return Verdict(None, departed == [None] * len(ran), len(ran))
 
 
 async def _tokens(generate: Generate, request_id: str, prompt: PromptInputs, params: SamplingParams) -> list[int]:
@@ -85,6 +90,9 @@ async def _tokens(generate: Generate, request_id: str, prompt: PromptInputs, par
     return out
 
 
-def _differ(what: str, probe: str, ours: list[int], theirs: list[int]) -> str:
-    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+def _first_difference(ours: list[int], theirs: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+
+
+def _differ(what: str, probe: str, at: int) -> str:
     return f"its {what} on {probe} differ from mlx-vlm's own from position {at}"

@@ -13,7 +13,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from vlmserve.engine.oracle import greedy
+from vlmserve.engine.loader import LoadedModel
+from vlmserve.engine.oracle import greedy, mlx_vlm_inputs
 from vlmserve.engine.params import PromptInputs
 from vlmserve.engine.runner import on_device
 
@@ -26,6 +27,12 @@ def reference_greedy(model: Any, prompt: PromptInputs, max_tokens: int, **kv: An
     pixel_values = arrays.pop("pixel_values", None)
     with _windows_kept(bool(kv.get("kv_bits"))):
         return greedy(model, input_ids, pixel_values, arrays, max_tokens, **kv)
+
+
+def mlx_vlm_answer(loaded: LoadedModel, text: str, images: list[Any], max_tokens: int) -> tuple[list[int], list[int]]:
+    """One user turn wholly as ``mlx_vlm.generate`` answers it: its prompt ids and greedy tokens."""
+    inputs = mlx_vlm_inputs(loaded, text, images)
+    return inputs.ids, greedy(loaded.model, inputs.input_ids, inputs.pixel_values, inputs.arrays, max_tokens)
 
 
 @contextmanager
