@@ -92,14 +92,26 @@ class Gemma4Adapter(ModelAdapter):
     def vision_blocks(self) -> tuple[Any, str] | None:
         return self.model.vision_tower.encoder, "layers"
 
+    @property
+    def packs_kv(self) -> str | None:
+        if self._first_shared() is None:
+            return None
+        return ("its KV-sharing layers (E2B/E4B) read their source layer's KV through plain attention, which cannot "
+                "read a packed cache (mlx-vlm's own generate fails the same way)")
+
     def layer_starts(self) -> tuple[int, ...] | None:
         # Shared-KV layers (E2B/E4B) read their source layer's KV within one forward: a piece may
         # start no later than the first source, so every reader runs with what it reads.
-        text_model = self.language_model.model
-        first_shared = getattr(text_model, "first_kv_shared_layer_idx", len(text_model.layers))
-        if first_shared >= len(text_model.layers):
+        first_shared = self._first_shared()
+        if first_shared is None:
             return None
-        return tuple(range(min(text_model.previous_kvs[first_shared:]) + 1))
+        return tuple(range(min(self.language_model.model.previous_kvs[first_shared:]) + 1))
+
+    def _first_shared(self) -> int | None:
+        """The first layer that reads an earlier layer's KV (E2B/E4B), or None where none does."""
+        text_model = self.language_model.model
+        first = getattr(text_model, "first_kv_shared_layer_idx", len(text_model.layers))
+        return first if first < len(text_model.layers) else None
 
 
 class PaliGemmaAdapter(ModelAdapter):
