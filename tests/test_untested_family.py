@@ -2,7 +2,8 @@
 
 The architecture: SmolVLM's micro build under its parent's name, ``idefics3`` (mlx-vlm's own Idefics3 classes
 and tiling processor), which no adapter names. Its answers, alone and several at once, are mlx-vlm's own prompt
-path and greedy decode; a model whose decode would not be is refused.
+path and greedy decode; a model whose decode would not be is refused. Then every family build tested here,
+served as if no adapter named it (the registry without its adapter): each is served exactly or refused.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import pytest
 from conftest import scene
 from server_utils import start_server
 
+from vlmserve.engine import models
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import ModelLoadError
 from vlmserve.engine.models import SUPPORTED_FAMILIES, UNTESTED_OFF, adapter_class
 from vlmserve.engine.params import SamplingParams
 from vlmserve.frontend.async_engine import AsyncEngine
-from vlmserve.testing import build_model
+from vlmserve.preprocess.prompt import PromptError
+from vlmserve.testing import FAMILY_BUILDS, build_family, build_model
 from vlmserve.testing.reference import mlx_vlm_answer
 
 TOKENS = 10
@@ -68,9 +71,19 @@ async def _answer(engine: AsyncEngine, request_id: str, text: str, images: list[
 def test_an_untested_family_answers_as_mlx_vlms_own_decode_alone_and_together(engine: Any) -> None:
     served, loop = engine
     assert served.info.adapter == "UntestedAdapter" and served.info.untested == UNTESTED_OFF
+    _as_mlx_vlm(served, loop)
+
+
+def _as_mlx_vlm(served: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
+    """Text, one picture and two pictures, alone and all at once, give mlx-vlm's own answers."""
     red, blue = scene("circle", (220, 30, 30)), scene("square", (30, 60, 220), size=80)
     turns = [("What is the capital of France?", []), ("What is in the picture?", [red]),
              ("Which picture is bluer?", [red, blue]), ("Describe it.", [blue])]
+    most = served.max_images if served.max_images is not None else 2
+    for text, images in (t for t in turns if len(t[1]) > most):  # more than its start-up check could run: refused
+        with pytest.raises(PromptError, match=f"takes at most {most} image"):
+            loop.run_until_complete(_answer(served, "over", text, images))
+    turns = [t for t in turns if len(t[1]) <= most]
     want = [served.worker.call(mlx_vlm_answer, served.loaded, text, images, TOKENS)[1] for text, images in turns]
     alone = [loop.run_until_complete(_answer(served, f"a{i}", *turn)) for i, turn in enumerate(turns)]
 
@@ -79,7 +92,7 @@ def test_an_untested_family_answers_as_mlx_vlms_own_decode_alone_and_together(en
 
     assert alone == want
     assert loop.run_until_complete(together()) == want
-    assert len({tuple(w) for w in want}) > 1  # the pictures and words matter
+    assert len({tuple(w) for w in want}) == len(want)  # the pictures and words matter
 
 
 def test_the_server_says_which_adapter_serves_it_and_what_is_off(idefics3: Path, tmp_path: Path) -> None:
@@ -118,3 +131,27 @@ def test_a_model_whose_prompt_mlx_vlm_builds_otherwise_is_refused_in_one_line(id
     assert "\n" not in line and "model type 'idefics3' is not served: it is untested here" in line, line
     assert "its prompt ids on a text turn differ from mlx-vlm's own from position 1" in line, line
     assert line.endswith(f"tested families: {', '.join(SUPPORTED_FAMILIES)}")
+
+
+@pytest.mark.parametrize("build", FAMILY_BUILDS)
+def test_every_family_served_as_if_no_adapter_named_it_is_exact_or_refused(build: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The untested path on architectures with every kind of fault it must catch (M-RoPE deltas kept on the
+    model, DeepStack, double BOS, templates mlx-vlm renders otherwise, left padding...): with its adapter
+    taken out of the registry, each family is refused in one line, or served with mlx-vlm's own answers."""
+    arch = build.partition("/")[0]
+    monkeypatch.setattr(models, "_ADAPTERS", tuple(a for a in models._ADAPTERS if arch not in a.model_types))
+    loop = asyncio.new_event_loop()
+    served = AsyncEngine(str(build_family(build)), config=EngineConfig(max_batch_size=8))
+    try:
+        loop.run_until_complete(served.start())
+    except ModelLoadError as refused:
+        line = str(refused)
+        assert "\n" not in line and f"model type {arch!r} is not served: it is untested here" in line, line
+        return
+    else:
+        assert served.info.adapter == "UntestedAdapter"
+        _as_mlx_vlm(served, loop)
+    finally:
+        loop.run_until_complete(served.shutdown())
+        loop.close()

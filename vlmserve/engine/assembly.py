@@ -71,9 +71,9 @@ class Assembled:
 
     def warmup_failed(self, name: str, reason: str | None) -> ModelLoadError:
         """A load whose warm-up failed; for a family no adapter names, the ones that are tested."""
-        model_type = self.loaded.model_type
-        untested = "" if self.loaded.adapter.tested else f"; tested families: {', '.join(SUPPORTED_FAMILIES)}"
-        return ModelLoadError(f"model {name!r} ({model_type}) failed its warm-up: {reason}{untested}")
+        if not self.loaded.adapter.tested:
+            return self.untested_refused(name, f"its warm-up failed: {reason}")
+        return ModelLoadError(f"model {name!r} ({self.loaded.model_type}) failed its warm-up: {reason}")
 
     def untested_refused(self, name: str, reason: str) -> ModelLoadError:
         """The one line that refuses a family no adapter names, where it does not answer as mlx-vlm does."""

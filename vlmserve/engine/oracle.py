@@ -70,20 +70,29 @@ def mlx_vlm_prompt(loaded: LoadedModel, text: str, images: list[Any]) -> list[in
 
 def first_departure(loaded: LoadedModel, text: str, images: list[Any], tokens: list[int]) -> int | None:
     """Where ``tokens``, decoded greedily after one user turn, first leave mlx-vlm's greedy choice by more than
-    rounding (None: nowhere). mlx-vlm's model reads its own prompt and the tokens in one forward; at each
-    position the token taken must be its best, or within ``ROUNDING_ULPS`` of it in the logits' own dtype."""
-    inputs = mlx_vlm_inputs(loaded, text, images)
-    steps = mx.array([tokens], dtype=inputs.input_ids.dtype)
-    ids = mx.concatenate([inputs.input_ids, steps], axis=1)
-    # no mask: the model's own causal one (SmolVLM's forward reads a mask of ones as something else)
-    logits = loaded.model(ids, inputs.pixel_values, **inputs.arrays).logits[0]
-    length = inputs.input_ids.shape[1]
-    scored = logits[length - 1: length - 1 + len(tokens)]
+    rounding (None: nowhere). mlx-vlm's prompt goes through its model as ``generate_step`` runs it (the
+    embeddings, then the language model over its own cache), then the tokens one decode step each; at each
+    position the token taken must be the best, or within ``ROUNDING_ULPS`` of it in the logits' own dtype."""
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    inputs, model = mlx_vlm_inputs(loaded, text, images), loaded.model
+    mask = mx.ones(inputs.input_ids.shape, dtype=mx.int32)
+    embedded = model.get_input_embeddings(inputs.input_ids, inputs.pixel_values, mask=mask, **inputs.arrays)
+    extra = {k: v for k, v in embedded.to_dict().items() if k != "inputs_embeds" and v is not None}
+    cache = make_prompt_cache(model.language_model)
+    out = model.language_model(inputs.input_ids, inputs_embeds=embedded.inputs_embeds, cache=cache, logits_to_keep=1,
+                               **inputs.arrays, **extra)
+    rows = [out.logits[0, -1]]
+    for token in tokens[:-1]:
+        rows.append(model.language_model(mx.array([[token]]), cache=cache, logits_to_keep=1).logits[0, -1])
+    scored = mx.stack(rows)
     bits = _MANTISSA.get(scored.dtype, 23)
     scored = scored.astype(mx.float32)
     best = scored.max(axis=-1)
-    taken = mx.take_along_axis(scored, steps[0, :, None], axis=-1)[:, 0]
-    for i, (top, got) in enumerate(zip(best.tolist(), taken.tolist())):  # type: ignore[arg-type]
+    taken = mx.take_along_axis(scored, mx.array(tokens)[:, None], axis=-1)[:, 0]
+    tops: list[float] = best.tolist()  # type: ignore[assignment]  # one per token
+    takens: list[float] = taken.tolist()  # type: ignore[assignment]
+    for i, (top, got) in enumerate(zip(tops, takens)):
         ulp = 2.0 ** (math.frexp(max(abs(top), 1.0))[1] - 1 - bits)
         if top - got > ROUNDING_ULPS * ulp:
             return i

@@ -117,6 +117,7 @@ class AsyncEngine:
         # The loop's own copy of the tokenizer (detokenizing, logprobs): the pool's threads have theirs.
         self.tokenizer: Any = None
         self.tool_format: str | None = None  # the tool-call syntax this model speaks
+        self.max_images: int | None = None  # images one prompt may carry: the family's, or its start-up check's
         self._info: ModelInfo | None = None  # what the API reads of it, once it has loaded (``info``)
         self.guides: GuideCompiler | None = None  # constrained decoding's grammars, compiled per model
         self.core: EngineCore | None = None
@@ -159,6 +160,7 @@ class AsyncEngine:
         self.tokenizer = await asyncio.get_running_loop().run_in_executor(
             self._pool, copy.deepcopy, self.loaded.tokenizer)
         self.tool_format = assembled.tool_format(self.prompter)
+        self.max_images = self.loaded.adapter.max_images
         self.guides = GuideCompiler(self.loaded.tokenizer, self.loaded.eos_token_ids, self.opens_reasoning)
         self.core = assembled.core(self.worker, self._publish_threadsafe, self.config, self._lost_threadsafe,
                                          self.on_stuck)
@@ -309,6 +311,7 @@ class AsyncEngine:
             raise assembled.untested_refused(self.name, f"a probe failed here: {type(exc).__name__}: {exc}") from exc
         if verdict.refusal is not None:
             raise assembled.untested_refused(self.name, verdict.refusal)
+        self.max_images = verdict.max_images
         if not verdict.batches:  # one request at a time, as mlx-vlm's own decode
             self.config = dataclasses.replace(self.config, max_batch_size=1)
             self.core = assembled.core(self.worker, self._publish_threadsafe, self.config, self._lost_threadsafe,
@@ -318,6 +321,9 @@ class AsyncEngine:
                     "(up to rounding); decode batching %s", self.name, self.loaded.model_type, verdict.probes,
                     "on (so did the probes decoded together)" if verdict.batches else
                     "off (the probes decoded together did not): one request at a time")
+        if verdict.max_images is not None:
+            log.warning("model %s (%s): at most %d image(s) a prompt: mlx-vlm's own path ran no probe with more",
+                        self.name, self.loaded.model_type, verdict.max_images)
 
     async def shutdown(self, message: str = "engine is shutting down") -> None:
         """Wake every waiting request with an error, stop the worker and join it."""
@@ -490,10 +496,13 @@ class AsyncEngine:
 
     def _check_fits(self, prompt: PromptInputs, params: SamplingParams, rows: int = 1) -> None:
         assert self.loaded is not None
-        most = self.loaded.adapter.max_images
+        most = self.max_images
         if most is not None and prompt.num_images > most:
             raise PromptError(f"model {self.name!r} ({self.loaded.model_type}) takes at most {most} image(s) "
                               f"per request; this one has {prompt.num_images}")
+        if prompt.has_videos and not self.loaded.adapter.tested:
+            raise PromptError(f"model {self.name!r} ({self.loaded.model_type}) takes no video: its family is untested "
+                              "here and its start-up check sends none")
         limit = self.loaded.max_context
         if len(prompt) + 1 > limit:
             raise PromptTooLongError(f"prompt is {len(prompt)} tokens; model {self.name!r} allows at most {limit - 1}")

@@ -7,7 +7,8 @@ decodes greedily must be mlx-vlm's model's greedy choice after the same ids and 
 bf16 two orders of the same sums may pick either of two tokens a unit in the last place apart; a lost
 image feature or a wrong position is far more). The model is refused, in one line, where either fails;
 decode batching stays on only where the probes decoded together pass too. Probes that mlx-vlm's own path
-cannot run (a family that takes one image) are left out.
+cannot run are left out, and a prompt may then carry no more images than the probes that ran (a family that
+takes one image: one; one whose processor mlx-vlm's path cannot call with a picture: none).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class Verdict:
     refusal: str | None  # why the model is not served (None: it is)
     batches: bool  # did the probes decoded together each give their tokens alone?
     probes: int  # how many probes ran
+    # Images a prompt may carry: as many as the probes mlx-vlm's own path could run (None: any)
+    max_images: int | None = None
 
 
 def pictures(n: int) -> list[Image.Image]:
@@ -78,7 +81,7 @@ async def check(loaded: LoadedModel, prompter: PromptBuilder, pool: Executor, wo
     together = await asyncio.gather(*(_tokens(generate, f"self-check-b{i}", p, params) for i, (_, _, p) in enumerate(ran)))
     departed = [await worker.run(first_departure, loaded, text, images, got)
                 for (text, images, _), got in zip(ran, together)]
-    return Verdict(None, departed == [None] * len(ran), len(ran))
+    return Verdict(None, departed == [None] * len(ran), len(ran), _most_images([len(images) for _, images, _ in ran]))
 
 
 async def _tokens(generate: Generate, request_id: str, prompt: PromptInputs, params: SamplingParams) -> list[int]:
@@ -88,6 +91,14 @@ async def _tokens(generate: Generate, request_id: str, prompt: PromptInputs, par
             raise RuntimeError(step.error)
         out += step.token_ids
     return out
+
+
+def _most_images(checked: list[int]) -> int | None:
+    """The most images a prompt may carry, from the image counts of the probes that ran (None: any)."""
+    run = 0
+    while run < len(checked) and checked[run] == run:  # PROBES carry 0, 1, 2 images in turn
+        run += 1
+    return None if run == len(PROBES) else max(run - 1, 0)
 
 
 def _first_difference(ours: list[int], theirs: list[int]) -> int:
