@@ -152,7 +152,7 @@ def test_from_a_start_a_prompt_stays_exact_until_its_cache_holds_that_many_posit
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("arch, method", [("qwen2_5_vl", "ngram"), ("qwen3_5", "mtp")])
+@pytest.mark.parametrize("arch, method", [("qwen2_5_vl", "ngram"), ("qwen3_5", "mtp"), ("qwen3_vl_moe", "ngram")])
 def test_drafts_verified_on_packed_kv_never_change_the_answer(arch: str, method: str, tmp_path: Any) -> None:
     """ngram drafts and Qwen3.5's MTP drafter verify against packed KV, which each row keeps up to what it
     accepted: the greedy tokens are the packed engine's without drafts."""

@@ -38,7 +38,7 @@ async def _run(engine, rid: str, messages: list[dict[str, Any]], images) -> tupl
     return result.token_ids, result.num_cached_tokens or -result.num_prompt_tokens
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "gemma3", "gemma4", "llava"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "gemma3", "gemma4", "llava", "qwen3_vl_moe"])
 def test_a_later_turn_reuses_the_picture_and_answers_as_a_cold_prefill(arch):
     model = build_model(arch, "micro")
     first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
@@ -176,7 +176,8 @@ def test_two_chats_with_the_same_words_about_pictures_one_pixel_apart_never_shar
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "llava",
-                                  "pixtral", "mistral3", "lfm2_vl"])
+                                  "pixtral", "mistral3", "lfm2_vl",
+                                  "qwen3_vl_moe", "qwen3_5_moe"])
 def test_four_turns_with_a_second_picture_in_turn_three_batched_with_other_traffic(arch):
     """Issue 33's exactness check: each turn runs beside a text request and another image request;
     every turn's greedy tokens equal the cache-off engine's, and turns 2-4 report cached tokens."""
@@ -272,7 +273,7 @@ def test_the_stores_count_against_the_kv_budget_and_give_way_to_requests():
 
 
 @pytest.mark.parametrize("arch, template_kwargs", [("qwen3_5", {}), ("qwen3_5", {"enable_thinking": False}),
-                                                   ("lfm2_vl", {})])
+                                                   ("lfm2_vl", {}), ("qwen3_5_moe", {})])
 def test_recurrent_state_is_snapshotted_where_the_next_turn_repeats_the_prompt(arch, template_kwargs):
     """Qwen3.5 and LFM2-VL keep recurrent (and convolution) state, which a cached prefix cannot be cut
     back to: each prompt's cache is snapshotted at its stem, before the generation prompt, which the
@@ -281,7 +282,7 @@ def test_recurrent_state_is_snapshotted_where_the_next_turn_repeats_the_prompt(a
     8-turn chat (text: the default text prefix cache) reuses exactly the previous prompt's stem and
     answers as a cold prefill, token for token."""
     model = build_model(arch, "micro")
-    thinks = arch == "qwen3_5" and template_kwargs.get("enable_thinking", True)
+    thinks = arch.startswith("qwen3_5") and template_kwargs.get("enable_thinking", True)
 
     def turn(k: int) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Hello, can you count shapes?"}]

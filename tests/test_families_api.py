@@ -69,9 +69,10 @@ def test_tool_call_round_trip(client, models: dict[str, Path], arch: str) -> Non
     assert not answer.choices[0].message.tool_calls
 
 
-def test_reasoning_is_kept_apart_from_the_answer(client, models: dict[str, Path]) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_reasoning_is_kept_apart_from_the_answer(client, models: dict[str, Path], arch: str) -> None:  # noqa: ANN001
     """Qwen3.5's prompt opens <think>: the reply's reasoning goes to reasoning_content, never content."""
-    first = client.chat.completions.create(model=models["qwen3_5"].name, messages=ASK, tools=[WEATHER_TOOL],
+    first = client.chat.completions.create(model=models[arch].name, messages=ASK, tools=[WEATHER_TOOL],
                                            temperature=0, max_tokens=64)
     message = first.choices[0].message
     assert "think>" not in (message.content or "") and message.model_extra.get("reasoning_content") is not None

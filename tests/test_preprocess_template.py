@@ -21,6 +21,7 @@ EXPECTED = {
     "qwen2_vl": TemplateInfo(renders_tools=False),
     "qwen2_5_vl": TemplateInfo(renders_tools=False),
     "qwen3_5": TemplateInfo(opens_reasoning=True),
+    "qwen3_5_moe": TemplateInfo(opens_reasoning=True),
     "mistral3": TemplateInfo(nine_char_call_ids=True),
     "pixtral": TemplateInfo(renders_tools=False, text_in_content=True),
     "smolvlm": TemplateInfo(parts_roles=ALL, renders_tools=False),

@@ -13,13 +13,14 @@ from vlmserve.engine.models.gemma import Gemma3Adapter, Gemma4Adapter, PaliGemma
 from vlmserve.engine.models.lfm2_vl import LFM2VLAdapter
 from vlmserve.engine.models.llava import LlavaAdapter, LlavaNextAdapter
 from vlmserve.engine.models.mistral import MistralAdapter
-from vlmserve.engine.models.qwen import MRoPEAdapter, Qwen3VLAdapter
+from vlmserve.engine.models.qwen import MRoPEAdapter, Qwen3VLAdapter, Qwen3VLMoEAdapter
 from vlmserve.engine.models.smolvlm import SmolVLMAdapter
 from vlmserve.engine.models.untested import UNTESTED_OFF, UntestedAdapter
 
 _ADAPTERS: tuple[type[ModelAdapter], ...] = (
     Gemma3Adapter, Gemma4Adapter, PaliGemmaAdapter, MRoPEAdapter, Qwen3VLAdapter, MistralAdapter, LlavaAdapter,
     LlavaNextAdapter, SmolVLMAdapter, LFM2VLAdapter,
+    Qwen3VLMoEAdapter,
 )  # fmt: skip
 
 # Every family with an adapter is tested here; others go through the untested one (engine/models/untested.py).

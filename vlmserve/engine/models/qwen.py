@@ -17,7 +17,7 @@ from vlmserve.engine.params import PromptInputs
 
 
 class MRoPEAdapter(ModelAdapter):
-    model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl", "qwen2_5_vl", "qwen3_5")
+    model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe")
     tool_format: ClassVar[str | None] = "hermes"
     batch_embed: ClassVar[bool] = True
     vision_cache: ClassVar[bool] = True
@@ -67,3 +67,21 @@ class Qwen3VLAdapter(MRoPEAdapter):
         # the batch's other rows (measured); image prompts prefill on their own.
         return not prompt.has_images
 
+
+class Qwen3VLMoEAdapter(Qwen3VLAdapter):
+    """Qwen3-VL MoE (30B-A3B, 235B-A22B): Qwen3-VL's language model with routed experts.
+
+    mlx-vlm's MoE attention cuts the mask to the rows' longest offset + 1 before the cache update
+    (``qwen3_vl_moe/language.py`` 97-122; the dense one cuts it to the keys' length after): narrower
+    than the keys once every row of a batch is left-padded. A speculative commit that accepts unevenly
+    leaves such a batch, so the padding all rows share is dropped after each commit.
+    """
+
+    model_types: ClassVar[tuple[str, ...]] = ("qwen3_vl_moe",)
+
+    def commit(self, transaction: Any, cache: list[Any], accepted: list[int], width: int) -> None:
+        super().commit(transaction, cache, accepted, width)
+        for layer in cache:
+            padding = getattr(layer, "left_padding", None)
+            if padding is not None and padding.size and int(padding.min().item()) > 0:
+                layer.filter(mx.arange(padding.size))  # mlx-vlm's filter drops the shared padding
