@@ -14,7 +14,7 @@ from vlmserve.engine.params import SamplingParams
 from vlmserve.testing import build_model
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-ARCHS = ["gemma4", "qwen2_5_vl", "llava", "qwen3_5_moe"]
+ARCHS = ["gemma4", "qwen2_5_vl", "llava", "glm4v", "glm4v_moe", "qwen3_5_moe"]
 
 
 def _turns(image: Image.Image, n: int) -> list[list[dict[str, Any]]]:

@@ -59,7 +59,7 @@ class Assembled:
         policy = cache_policy(config, adapter)
         hints = CacheHints(stems=policy.stems, picture_keys=policy.mm_prefix)
         return PromptBuilder.for_processor(processor, config.preprocess_threads, hints,
-                                           adapter.processor_limit(processor))
+                                           adapter.processor_limit(processor), adapter.video_as_frames)
 
     def tool_format(self, prompter: PromptBuilder) -> str | None:
         """The tool-call syntax this model speaks: its template's, else its family's (Hermes where the prompt

@@ -231,17 +231,20 @@ class PromptBuilder:
 
     @classmethod
     def for_processor(cls, processor: Any, copies: int = 0, hints: CacheHints = CacheHints(),
-                      limit: ProcessorLimit | None = None) -> PromptBuilder:
+                      limit: ProcessorLimit | None = None, video_as_frames: bool = True) -> PromptBuilder:
         """The builder, with ``copies`` processor copies made now (one per pool thread: a copy of a
         large vocabulary's tokenizer is worth making before the first request, not during it).
-        ``limit``: what the processor keeps of an image, the model adapter's fact (None: decoded whole)."""
+        ``limit``: what the processor keeps of an image, the model adapter's fact (None: decoded whole);
+        ``video_as_frames``: whether a video may go as its frames where the processor has no video processor
+        (the adapter's fact: else such a processor takes no video)."""
         # A video token but no video processor: SmolVLM2, which was trained on videos as time-stamped frames
         video_token = isinstance(getattr(processor, "video_token", None), str)
         frames = video_token and getattr(processor, "video_processor", None) is None
+        takes_video = video_token and (video_as_frames or not frames)
         builder = cls(processor, inspect_template(templater_of(processor)),
                       ControlTokens.of(processor, tokenizer_of(processor)), limit,
-                      media_token_ids(processor), processor_sampling(processor) if video_token else None, frames,
-                      hints)
+                      media_token_ids(processor), processor_sampling(processor) if takes_video else None,
+                      frames and takes_video, hints)
         for _ in range(copies):
             builder.spares.put(copy.deepcopy(processor))
         return builder

@@ -4,6 +4,8 @@
   ``name`` and ``arguments`` (the tool's schema, via llguidance's ``%json``) ``</tool_call>``;
 - Mistral: ``[TOOL_CALLS]NAME[ARGS]{json}`` (3.2), or ``[TOOL_CALLS][{"name", "arguments"}]`` (3.1,
   whose tokenizer has no ``[ARGS]``);
+- GLM-4.5V/4.6V: ``<tool_call>NAME`` then ``\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>`` per
+  argument, ``\n</tool_call>``: strings as they are, other values JSON (the tool's schema, via ``%json``);
 - Gemma 4: ``<|tool_call>call:NAME{key:value,...}<tool_call|>`` in Gemma's own argument syntax:
   properties in the schema's order, required ones first; strings quoted with ``<|"|>`` or, as
   quantized Gemma 4 often writes them, with ``'`` or ``"`` (the parser repairs those).
@@ -18,7 +20,7 @@ import json
 from typing import Any
 
 from vlmserve.preprocess.json_schema import tidy_json
-from vlmserve.tools import gemma4, hermes, mistral
+from vlmserve.tools import gemma4, glm, hermes, mistral
 from vlmserve.tools.registry import ALIASES
 
 _NUMBER = r"/-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,17})?([eE][+-]?[0-9]{1,3})?/"  # bounded: no endless digits
@@ -59,7 +61,7 @@ def tool_call_lark(fmt: str, tools: list[dict[str, Any]], tokenizer: Any) -> str
     """The grammar of exactly one call to one of ``tools`` (chat-format tool definitions)."""
     fmt = ALIASES.get(fmt, fmt)
     functions = [t["function"] for t in tools]
-    writer = {"hermes": _hermes, "mistral": _mistral, "gemma4": _gemma4}.get(fmt)
+    writer = {"hermes": _hermes, "mistral": _mistral, "gemma4": _gemma4, "glm": _glm}.get(fmt)
     if writer is None:
         raise ValueError(f"no grammar for the tool-call format {fmt!r}")
     return writer(functions, _Markers(tokenizer))
@@ -126,6 +128,35 @@ def _gemma4(functions: list[dict[str, Any]], mark: _Markers) -> str:
              for f in functions]
     lines = [f"start: {mark(gemma4.START)} call {mark(gemma4.END)}", f"call: {_choice([f'({c})' for c in calls])}"]
     return "\n".join(lines + writer.rules)
+
+
+def _glm(functions: list[dict[str, Any]], mark: _Markers) -> str:
+    """Each call's arguments as key/value pairs in the schema's order, required ones first (optional ones
+    may be left out), as GLM's template writes them."""
+    lines = [f"start: {mark(glm.START)} call {mark(glm.END)}", f"call: {_choice([f'call_{i}' for i in range(len(functions))])}"]
+    for i, f in enumerate(functions):
+        schema = f.get("parameters") or {}
+        props = schema.get("properties") or {}
+        required = set(schema.get("required") or ())
+        pairs = []
+        for j, key in enumerate([*(k for k in props if k in required), *(k for k in props if k not in required)]):
+            lines.append(f"arg_{i}_{j}: {_glm_value(props[key], f'arg_{i}_{j}', lines)}")
+            pair = f'{mark(glm.KEY)} {json.dumps(key)} {mark(glm.END_KEY)} "\\n" {mark(glm.VALUE)} arg_{i}_{j} ' \
+                   f'{mark(glm.END_VALUE)} "\\n"'
+            pairs.append(f"({pair})" + ("" if key in required else "?"))
+        lines.append(f'call_{i}: {json.dumps(f["name"])} "\\n" {" ".join(pairs)}'.rstrip())
+    return "\n".join(lines)
+
+
+def _glm_value(schema: dict[str, Any], name: str, lines: list[str]) -> str:
+    """A string as the model writes it (one line, bounded as the schema says), an enum of strings as one
+    of its words, anything else as JSON."""
+    if "enum" in schema and all(isinstance(e, str) for e in schema["enum"]):
+        return _choice([json.dumps(e) for e in schema["enum"]])
+    if schema.get("type") == "string":
+        return f"/{string_regex(schema, _ANY) or _ANY + '*'}/"
+    lines.append(f"{name}_json: %json {json.dumps(tidy_json(schema))}")
+    return f"{name}_json"
 
 
 class _GemmaArgs:

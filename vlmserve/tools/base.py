@@ -79,6 +79,9 @@ class ToolFormat:
     start: str
     end: str
     parse_body: Callable[[str], list[RawCall]]
+    # Text only this format's templates write, where its markers are another format's too (GLM's
+    # ``<arg_key>`` inside Hermes's ``<tool_call>``); "": the start marker tells it
+    signature: str = ""
 
 
 # JSON's number grammar: a zip code like 02134 stays a string.

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from vlmserve.tools import gemma4, hermes, mistral
+from vlmserve.tools import gemma4, glm, hermes, mistral
 from vlmserve.tools.base import ToolFormat
 
-FORMATS: dict[str, ToolFormat] = {fmt.name: fmt for fmt in (gemma4.FORMAT, hermes.FORMAT, mistral.FORMAT)}
+# A format whose markers another's include comes before it (GLM's are Hermes's): the first that matches wins
+FORMATS: dict[str, ToolFormat] = {fmt.name: fmt for fmt in (gemma4.FORMAT, glm.FORMAT, hermes.FORMAT, mistral.FORMAT)}
 PARSERS: tuple[str, ...] = tuple(FORMATS)
 ALIASES: dict[str, str] = {"qwen": "hermes", "qwen3_coder": "hermes", "pixtral": "mistral"}
 
@@ -21,6 +22,6 @@ def get_format(parser: str) -> ToolFormat:
 def select_parser(chat_template: str | None, family_default: str | None) -> str | None:
     """The format the chat template writes calls in, else the model family's default."""
     for name, fmt in FORMATS.items():
-        if chat_template and fmt.start in chat_template:
+        if chat_template and (fmt.signature or fmt.start) in chat_template:
             return name
     return family_default

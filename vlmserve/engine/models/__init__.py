@@ -10,6 +10,7 @@ import mlx.nn as nn
 
 from vlmserve.engine.models.base import Embedded, ModelAdapter
 from vlmserve.engine.models.gemma import Gemma3Adapter, Gemma4Adapter, PaliGemmaAdapter
+from vlmserve.engine.models.glm import GLMAdapter, GLMMoEAdapter
 from vlmserve.engine.models.lfm2_vl import LFM2VLAdapter
 from vlmserve.engine.models.llava import LlavaAdapter, LlavaNextAdapter
 from vlmserve.engine.models.mistral import MistralAdapter
@@ -19,7 +20,7 @@ from vlmserve.engine.models.untested import UNTESTED_OFF, UntestedAdapter
 
 _ADAPTERS: tuple[type[ModelAdapter], ...] = (
     Gemma3Adapter, Gemma4Adapter, PaliGemmaAdapter, MRoPEAdapter, Qwen3VLAdapter, MistralAdapter, LlavaAdapter,
-    LlavaNextAdapter, SmolVLMAdapter, LFM2VLAdapter,
+    LlavaNextAdapter, SmolVLMAdapter, LFM2VLAdapter, GLMAdapter, GLMMoEAdapter,
     Qwen3VLMoEAdapter,
 )  # fmt: skip
 

@@ -77,6 +77,9 @@ class ModelAdapter:
     vision_cache: ClassVar[bool] = False
     # May one prompt carry images and videos together? Not where mlx-vlm's merge takes one kind.
     mixes_media: ClassVar[bool] = True
+    # May a video go as its frames, each an image, where the processor has a video token but no video
+    # processor (SmolVLM2 was trained so)? Not for a family whose own video layout is another (GLM's).
+    video_as_frames: ClassVar[bool] = True
     # Does a decoder layer return a tuple (hidden state first), not the hidden state alone? (Gemma 4's
     # return their KV and offset, for the layers that share it.) A pipeline rank's stand-ins must match.
     layer_returns_tuple: ClassVar[bool] = False
