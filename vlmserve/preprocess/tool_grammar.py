@@ -6,6 +6,7 @@
   whose tokenizer has no ``[ARGS]``);
 - GLM-4.5V/4.6V: ``<tool_call>NAME`` then ``\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>`` per
   argument, ``\n</tool_call>``: strings as they are, other values JSON (the tool's schema, via ``%json``);
+- Llama 4: ``<|python_start|><|python_end|>`` then ``{"name": NAME, "parameters": {json}}`` (the tool's schema);
 - Gemma 4: ``<|tool_call>call:NAME{key:value,...}<tool_call|>`` in Gemma's own argument syntax:
   properties in the schema's order, required ones first; strings quoted with ``<|"|>`` or, as
   quantized Gemma 4 often writes them, with ``'`` or ``"`` (the parser repairs those).
@@ -20,7 +21,7 @@ import json
 from typing import Any
 
 from vlmserve.preprocess.json_schema import tidy_json
-from vlmserve.tools import gemma4, glm, hermes, mistral
+from vlmserve.tools import gemma4, glm, hermes, llama4, mistral
 from vlmserve.tools.registry import ALIASES
 
 _NUMBER = r"/-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,17})?([eE][+-]?[0-9]{1,3})?/"  # bounded: no endless digits
@@ -61,7 +62,7 @@ def tool_call_lark(fmt: str, tools: list[dict[str, Any]], tokenizer: Any) -> str
     """The grammar of exactly one call to one of ``tools`` (chat-format tool definitions)."""
     fmt = ALIASES.get(fmt, fmt)
     functions = [t["function"] for t in tools]
-    writer = {"hermes": _hermes, "mistral": _mistral, "gemma4": _gemma4, "glm": _glm}.get(fmt)
+    writer = {"hermes": _hermes, "mistral": _mistral, "gemma4": _gemma4, "glm": _glm, "llama4": _llama4}.get(fmt)
     if writer is None:
         raise ValueError(f"no grammar for the tool-call format {fmt!r}")
     return writer(functions, _Markers(tokenizer))
@@ -105,6 +106,16 @@ def _hermes(functions: list[dict[str, Any]], mark: _Markers) -> str:
              f"call: {_choice([f'call_{i}' for i in range(len(functions))])}"]
     for i, f in enumerate(functions):
         head = json.dumps('{"name": ' + json.dumps(f["name"]) + ', "arguments": ')
+        lines.append(f'call_{i}: {head} args_{i} "}}"')
+        lines.append(f"args_{i}: %json {_schema(f)}")
+    return "\n".join(lines)
+
+
+def _llama4(functions: list[dict[str, Any]], mark: _Markers) -> str:
+    lines = [f"start: {mark(llama4.START)} {mark(llama4.CONTENT_END)} call",
+             f"call: {_choice([f'call_{i}' for i in range(len(functions))])}"]
+    for i, f in enumerate(functions):
+        head = json.dumps('{"name": ' + json.dumps(f["name"]) + ', "parameters": ')
         lines.append(f'call_{i}: {head} args_{i} "}}"')
         lines.append(f"args_{i}: %json {_schema(f)}")
     return "\n".join(lines)

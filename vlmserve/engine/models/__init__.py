@@ -12,6 +12,7 @@ from vlmserve.engine.models.base import Embedded, ModelAdapter
 from vlmserve.engine.models.gemma import Gemma3Adapter, Gemma4Adapter, PaliGemmaAdapter
 from vlmserve.engine.models.glm import GLMAdapter, GLMMoEAdapter
 from vlmserve.engine.models.lfm2_vl import LFM2VLAdapter
+from vlmserve.engine.models.llama4 import Llama4Adapter
 from vlmserve.engine.models.llava import LlavaAdapter, LlavaNextAdapter
 from vlmserve.engine.models.mistral import MistralAdapter
 from vlmserve.engine.models.qwen import MRoPEAdapter, Qwen3VLAdapter, Qwen3VLMoEAdapter
@@ -20,7 +21,7 @@ from vlmserve.engine.models.untested import UNTESTED_OFF, UntestedAdapter
 
 _ADAPTERS: tuple[type[ModelAdapter], ...] = (
     Gemma3Adapter, Gemma4Adapter, PaliGemmaAdapter, MRoPEAdapter, Qwen3VLAdapter, MistralAdapter, LlavaAdapter,
-    LlavaNextAdapter, SmolVLMAdapter, LFM2VLAdapter, GLMAdapter, GLMMoEAdapter,
+    LlavaNextAdapter, SmolVLMAdapter, LFM2VLAdapter, GLMAdapter, GLMMoEAdapter, Llama4Adapter,
     Qwen3VLMoEAdapter,
 )  # fmt: skip
 
