@@ -203,7 +203,7 @@ def test_select_parser(template: str | None, family_default: str | None, expecte
 
 
 def test_parser_names() -> None:
-    assert PARSERS == ("gemma4", "glm", "hermes", "mistral", "llama4")
+    assert PARSERS == ("gemma4", "glm", "hermes", "mistral", "llama4", "kimi")
     assert get_format("qwen") is get_format("hermes")
     with pytest.raises(ValueError, match="unknown tool parser 'llama3'"):
         get_format("llama3")

@@ -14,7 +14,7 @@ from vlmserve.engine.params import SamplingParams
 from vlmserve.testing import build_model
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-ARCHS = ["gemma4", "qwen2_5_vl", "llava", "glm4v", "glm4v_moe", "qwen3_5_moe"]
+ARCHS = ["gemma4", "qwen2_5_vl", "llava", "glm4v", "glm4v_moe", "qwen3_5_moe", "kimi_vl"]
 
 
 def _turns(image: Image.Image, n: int) -> list[list[dict[str, Any]]]:
@@ -62,6 +62,7 @@ def test_images_one_pixel_apart_never_share_features(arch):
     a = scene("square", (30, 60, 220))
     b = a.copy()
     b.putpixel((5, 5), (31, 60, 220))
+    b.putpixel((48, 48), (31, 60, 220))  # where a cropping processor looks too (Kimi-VL's crops 96 px to 84)
     msg = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
 
     async def run():

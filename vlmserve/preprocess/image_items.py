@@ -6,8 +6,8 @@ patch positions), with their dtypes and shapes. Two images whose bytes differ in
 apart; the same picture sent again in a later turn hashes the same.
 
 How arrays split, read from their shapes:
-- ``image_grid_thw`` ``[N, 3]`` (Qwen2-VL, Qwen2.5-VL, Qwen3.5...): ``pixel_values`` is every image's
-  patches concatenated; image ``i`` has ``t*h*w`` of them;
+- ``image_grid_thw`` ``[N, 3]`` (Qwen2-VL, Qwen2.5-VL, Qwen3.5...) or ``image_grid_hws`` ``[N, 2]``
+  (Kimi-VL): ``pixel_values`` is every image's patches concatenated; image ``i`` has ``t*h*w`` (``h*w``) of them;
 - a tuple of ``pixel_values`` (Gemma 4 with images of different sizes): one entry per image;
 - ``pixel_values`` ``[N, ...]`` (Gemma 3, LLaVA, Gemma 4 with equal sizes): row ``i``;
 - ``image_sizes`` ``[N, 2]`` (Pixtral, Mistral 3): row ``i`` of ``pixel_values`` cut to image ``i``'s size;
@@ -29,7 +29,8 @@ from PIL import Image
 
 from vlmserve.engine.params import HostArray, ImageItem
 
-_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids", "image_sizes")
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids", "image_sizes", "image_grid_hws")
+_GRIDS = ("image_grid_hws",)  # patch grids besides the kinds' own ``*_grid_thw``
 _VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "video_position_ids")
 
 
@@ -37,8 +38,10 @@ def image_items(arrays: Mapping[str, HostArray], num_images: int, num_tokens: in
                 num_videos: int = 0) -> tuple[ImageItem, ...]:
     """One item per image, then one per video (their arrays split by the same rules, under their
     own names), or ``()`` where the arrays do not split per image by a rule above. Per-token arrays
-    (``[1, num_tokens]``, such as ``mm_token_type_ids``) belong to the prompt."""
-    others = {k: v for k, v in arrays.items() if not (isinstance(v, np.ndarray) and v.shape == (1, num_tokens))}
+    (``[1, num_tokens]``, such as ``mm_token_type_ids``) and scalars (Kimi-VL's ``image_token_id``) belong
+    to the prompt."""
+    others = {k: v for k, v in arrays.items()
+              if not (isinstance(v, np.ndarray) and (v.shape == (1, num_tokens) or v.ndim == 0))}
     if set(others) - set(_IMAGE_KEYS) - set(_VIDEO_KEYS):
         return ()  # an image array of a kind not known to split
     items: list[dict[str, np.ndarray]] = []
@@ -54,6 +57,7 @@ def image_items(arrays: Mapping[str, HostArray], num_images: int, num_tokens: in
 
 
 def _split(arrays: Mapping[str, HostArray], n: int, pixels: str, grid: str) -> list[dict[str, np.ndarray]] | None:
+    grid = next((g for g in (grid, *_GRIDS) if g in arrays), grid)
     if grid in arrays:
         return _split_patches(arrays, pixels, grid)
     if "image_sizes" in arrays:

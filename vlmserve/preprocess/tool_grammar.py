@@ -6,6 +6,8 @@
   whose tokenizer has no ``[ARGS]``);
 - GLM-4.5V/4.6V: ``<tool_call>NAME`` then ``\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>`` per
   argument, ``\n</tool_call>``: strings as they are, other values JSON (the tool's schema, via ``%json``);
+- Kimi: ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>`` then
+  the arguments (the tool's schema, via ``%json``) ``<|tool_call_end|><|tool_calls_section_end|>``;
 - Llama 4: ``<|python_start|><|python_end|>`` then ``{"name": NAME, "parameters": {json}}`` (the tool's schema);
 - Gemma 4: ``<|tool_call>call:NAME{key:value,...}<tool_call|>`` in Gemma's own argument syntax:
   properties in the schema's order, required ones first; strings quoted with ``<|"|>`` or, as
@@ -21,7 +23,7 @@ import json
 from typing import Any
 
 from vlmserve.preprocess.json_schema import tidy_json
-from vlmserve.tools import gemma4, glm, hermes, llama4, mistral
+from vlmserve.tools import gemma4, glm, hermes, kimi, llama4, mistral
 from vlmserve.tools.registry import ALIASES
 
 _NUMBER = r"/-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,17})?([eE][+-]?[0-9]{1,3})?/"  # bounded: no endless digits
@@ -62,7 +64,8 @@ def tool_call_lark(fmt: str, tools: list[dict[str, Any]], tokenizer: Any) -> str
     """The grammar of exactly one call to one of ``tools`` (chat-format tool definitions)."""
     fmt = ALIASES.get(fmt, fmt)
     functions = [t["function"] for t in tools]
-    writer = {"hermes": _hermes, "mistral": _mistral, "gemma4": _gemma4, "glm": _glm, "llama4": _llama4}.get(fmt)
+    writer = {"hermes": _hermes, "mistral": _mistral, "gemma4": _gemma4, "glm": _glm, "llama4": _llama4,
+              "kimi": _kimi}.get(fmt)
     if writer is None:
         raise ValueError(f"no grammar for the tool-call format {fmt!r}")
     return writer(functions, _Markers(tokenizer))
@@ -117,6 +120,15 @@ def _llama4(functions: list[dict[str, Any]], mark: _Markers) -> str:
     for i, f in enumerate(functions):
         head = json.dumps('{"name": ' + json.dumps(f["name"]) + ', "parameters": ')
         lines.append(f'call_{i}: {head} args_{i} "}}"')
+        lines.append(f"args_{i}: %json {_schema(f)}")
+    return "\n".join(lines)
+
+
+def _kimi(functions: list[dict[str, Any]], mark: _Markers) -> str:
+    lines = [f"start: {mark(kimi.START)} {mark(kimi.CALL)} call {mark(kimi.END_CALL)} {mark(kimi.END)}",
+             f"call: {_choice([f'call_{i}' for i in range(len(functions))])}"]
+    for i, f in enumerate(functions):
+        lines.append(f"call_{i}: {json.dumps(kimi.call_id(f['name'], 0))} {mark(kimi.ARGUMENTS)} args_{i}")
         lines.append(f"args_{i}: %json {_schema(f)}")
     return "\n".join(lines)
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 ARCHS = (
     "gemma4", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5",
     "mistral3", "pixtral", "smolvlm", "paligemma", "llava", "llava_next", "lfm2_vl",
-    "glm4v", "glm4v_moe", "llama4", "qwen3_vl_moe", "qwen3_5_moe",
+    "glm4v", "glm4v_moe", "llama4", "kimi_vl", "qwen3_vl_moe", "qwen3_5_moe",
 )  # fmt: skip
 SIZES = ("micro", "small")
 # Builds of an architecture with the real checkpoints' optional features on, which its tests also run: Gemma 4's

@@ -56,8 +56,25 @@ def examples(processor: Any, eos_ids: frozenset[int]) -> list[Example]:
     from vlmserve.preprocess.prompt import PromptBuilder
 
     prompter = PromptBuilder.for_processor(processor)
-    chats = [(ASK, TEMPLATE_CALL_TURN), (TEMPLATE_AFTER_CALL, {"role": "assistant", "content": ANSWER})]
+    call_turn, after_call = _with_format_ids(prompter, [TEMPLATE_CALL_TURN]), _with_format_ids(prompter, TEMPLATE_AFTER_CALL)
+    chats = [(ASK, call_turn[0]), (after_call, {"role": "assistant", "content": ANSWER})]
     return [_example(prompter, history, answer, eos_ids) for history, answer in chats]
+
+
+def _with_format_ids(prompter: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat with the call's id as the template's own format writes ids the model reads back (Kimi's
+    ``functions.NAME:IDX``, as the server returns them), else as it is."""
+    from vlmserve.preprocess.prompt import templater_of
+    from vlmserve.tools import get_format, select_parser
+
+    template = getattr(templater_of(prompter.processor), "chat_template", None)
+    name = select_parser(template if isinstance(template, str) else None, None)
+    make_id = get_format(name).call_id if name else None
+    if make_id is None:
+        return messages
+    call_id = make_id("get_weather", 0)
+    return [{**m, "tool_calls": [{**c, "id": call_id} for c in m["tool_calls"]]} if m.get("tool_calls") else
+            {**m, "tool_call_id": call_id} if m.get("tool_call_id") else m for m in messages]
 
 
 def _example(prompter: Any, history: list[dict[str, Any]], answer: dict[str, Any], eos_ids: frozenset[int]) -> Example:

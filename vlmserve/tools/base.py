@@ -82,6 +82,9 @@ class ToolFormat:
     # Text only this format's templates write, where its markers are another format's too (GLM's
     # ``<arg_key>`` inside Hermes's ``<tool_call>``); "": the start marker tells it
     signature: str = ""
+    # The id of a reply's ``index``-th call where the format's templates write ids the model reads back
+    # (Kimi's ``functions.NAME:IDX``); None: an opaque one (``new_call_id``)
+    call_id: Callable[[str, int], str] | None = None
 
 
 # JSON's number grammar: a zip code like 02134 stays a string.

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from vlmserve.tools import gemma4, glm, hermes, llama4, mistral
+from vlmserve.tools import gemma4, glm, hermes, kimi, llama4, mistral
 from vlmserve.tools.base import ToolFormat
 
 # A format whose markers another's include comes before it (GLM's are Hermes's): the first that matches wins
 FORMATS: dict[str, ToolFormat] = {fmt.name: fmt for fmt in (gemma4.FORMAT, glm.FORMAT, hermes.FORMAT, mistral.FORMAT,
-                                                     llama4.FORMAT)}
+                                                     llama4.FORMAT, kimi.FORMAT)}
 PARSERS: tuple[str, ...] = tuple(FORMATS)
 ALIASES: dict[str, str] = {"qwen": "hermes", "qwen3_coder": "hermes", "pixtral": "mistral"}
 

@@ -94,9 +94,11 @@ class ToolCallStreamParser:
     def _end_call(self, body: str, closing: str, events: list[StreamEvent]) -> None:
         try:
             raw_calls = self._format.parse_body(body)
+            make_id = self._format.call_id
             calls = [
-                ToolCall(name, check_call(name, args, self._tools), new_call_id())
-                for name, args in raw_calls
+                ToolCall(name, check_call(name, args, self._tools),
+                         make_id(name, len(self.calls) + i) if make_id else new_call_id())
+                for i, (name, args) in enumerate(raw_calls)
             ]
         except ToolParseError:
             self._content(self._format.start + body + closing, events)

@@ -1,0 +1,124 @@
+"""Kimi tool calls (``<|tool_calls_section_begin|>`` ... ``functions.NAME:IDX`` ... JSON), as tables of (text, tools,
+content, calls); ids as Kimi's templates write them; the forced-call grammar; ``◁think▷`` reasoning through the
+real output path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_tools_gemma4 import WEATHER
+from vlmserve.frontend.reasoning import ReasoningSplitter
+from vlmserve.preprocess.tool_grammar import tool_call_lark
+from vlmserve.testing.templates import published_template
+from vlmserve.tools import ToolCallDelta, ToolCallStreamParser, parse_tool_calls, select_parser
+
+BEGIN, END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+
+
+def one(call_id: str, arguments: str) -> str:
+    return f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>"
+
+
+def section(*calls: str) -> str:
+    return BEGIN + "".join(calls) + END
+
+
+WEATHER_CALL = one("functions.get_weather:0", '{"location": "Tokyo"}')
+CASES = [
+    pytest.param(section(WEATHER_CALL), WEATHER, "", [("get_weather", {"location": "Tokyo"})], id="basic"),
+    pytest.param("Let me check." + section(WEATHER_CALL), WEATHER, "Let me check.",
+                 [("get_weather", {"location": "Tokyo"})], id="after-text"),
+    pytest.param(section(one("functions.get_weather:3", '{"location": "Oslo", "days": "2"}')), WEATHER, "",
+                 [("get_weather", {"location": "Oslo", "days": 2})], id="typed-by-schema"),
+    pytest.param(section(one("functions.a:0", "{}"), one("functions.b:1", '{"x": 1}')), None, "",
+                 [("a", {}), ("b", {"x": 1})], id="two-calls-one-section"),
+    pytest.param(section(one("get_weather:0", '{"location": "Tokyo"}')), WEATHER, "",
+                 [("get_weather", {"location": "Tokyo"})], id="id-without-namespace"),
+    pytest.param(BEGIN + one("functions.f:0", '{"q": "hi"}'), None, "", [("f", {"q": "hi"})], id="unclosed-at-the-end"),
+    pytest.param(section(one("functions.rm:0", '{"path": "/"}')), WEATHER, section(one("functions.rm:0", '{"path": "/"}')),
+                 [], id="unknown-tool-kept"),
+    pytest.param(section(one("functions.f:0", "not json")), None, section(one("functions.f:0", "not json")), [],
+                 id="bad-json-kept"),
+    pytest.param(BEGIN + "chatter" + END, None, BEGIN + "chatter" + END, [], id="no-call-kept"),
+]
+
+
+@pytest.mark.parametrize(("text", "tools", "content", "calls"), CASES)
+def test_parse(text: str, tools: list[dict] | None, content: str, calls: list[tuple]) -> None:
+    got_content, got_calls = parse_tool_calls(text, tools, "kimi")
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in got_calls] == calls
+
+
+def test_calls_carry_the_ids_kimis_template_writes_back() -> None:
+    _, calls = parse_tool_calls(section(one("functions.a:0", "{}"), one("functions.b:1", "{}")), None, "kimi")
+    assert [c.id for c in calls] == ["functions.a:0", "functions.b:1"]
+
+
+@pytest.mark.parametrize("size", [1, 3, 7])
+def test_streamed_in_pieces_gives_the_same_call(size: int) -> None:
+    text = "Let me check." + section(one("functions.get_weather:0", '{"location": "Tokyo", "days": 2}'))
+    stream = ToolCallStreamParser("kimi", WEATHER)
+    events = [e for i in range(0, len(text), size) for e in stream.feed(text[i:i + size])] + stream.finish()
+    calls = [e for e in events if isinstance(e, ToolCallDelta)]
+    assert calls[0].name == "get_weather" and calls[0].id == "functions.get_weather:0"
+    assert "".join(c.arguments_json for c in calls) == '{"location": "Tokyo", "days": 2}'
+
+
+def test_the_template_tells_kimi() -> None:
+    assert select_parser(published_template("kimi-k2-instruct-0905"), "hermes") == "kimi"
+    # Kimi-VL-A3B's own template writes no tools: the family's default
+    assert select_parser(published_template("kimi-vl-a3b-instruct"), "kimi") == "kimi"
+
+
+def test_a_forced_call_is_the_templates_syntax_with_markers_by_id() -> None:
+    markers = [BEGIN, END, "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+
+    class Tokenizer:  # the markers are added tokens of their own, as in Kimi's tokenizer
+        all_special_tokens = markers
+        added_tokens_decoder: dict = {}
+
+        def convert_tokens_to_ids(self, text: str) -> int:
+            return 100 + markers.index(text)
+
+    grammar = tool_call_lark("kimi", WEATHER, Tokenizer())
+    assert grammar.startswith("start: <[100]> <[102]> call <[104]> <[101]>")
+    assert 'call_0: "functions.get_weather:0" <[103]> args_0' in grammar and "args_0: %json" in grammar
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_kimi_thinking_markers_split_at_every_place(opened: bool) -> None:
+    reply = "◁think▷It may rain.◁/think▷\n\nTake an umbrella." if not opened else "hmm</think>ok"
+    want = ("It may rain.", "Take an umbrella.") if not opened else ("hmm", "ok")
+    for cut in range(len(reply) + 1):
+        splitter = ReasoningSplitter(opened)
+        parts = [splitter.feed(reply[:cut]), splitter.feed(reply[cut:], final=True)]
+        assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == want, cut
+
+
+def test_a_reply_thinks_then_calls_through_the_real_output_path() -> None:
+    """Kimi-VL-Thinking writes ``◁think▷`` as text, then a call: detokenized one token at a time skipping special
+    tokens (the tool markers are plain, so the parser sees them), the reasoning comes apart and the call whole."""
+    from transformers import AutoTokenizer
+
+    from vlmserve.api.openai_format import ChoiceBuilder
+    from vlmserve.engine.request import StepOutput
+    from vlmserve.frontend.output import OutputProcessor
+    from vlmserve.testing import build_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(build_model("kimi_vl", "micro")))
+    reply = "◁think▷It may rain.◁/think▷" + section(WEATHER_CALL) + "[EOS]"
+    ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+    processor = OutputProcessor(tokenizer, skip_special_tokens=True)
+    builder = ChoiceBuilder("chatcmpl-x", "m", tokenizer, "kimi", WEATHER)
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        builder.step(processor.process(StepOutput("r", (token,), finish_reason="stop" if last else None,
+                                                  num_prompt_tokens=10)))
+    message = builder.response(builder.finish_reason("stop"), False)["choices"][0]["message"]
+    assert message.get("reasoning_content") == "It may rain." and not message.get("content")
+    (got,) = message["tool_calls"]
+    assert got["id"] == "functions.get_weather:0" and got["function"]["name"] == "get_weather"
+    assert json.loads(got["function"]["arguments"]) == {"location": "Tokyo"}
