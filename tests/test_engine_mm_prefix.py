@@ -39,7 +39,7 @@ async def _run(engine, rid: str, messages: list[dict[str, Any]], images) -> tupl
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "gemma3", "gemma4", "llava", "glm4v",
-                                  "glm4v_moe", "llama4", "kimi_vl", "qwen3_vl_moe"])
+                                  "glm4v_moe", "llama4", "kimi_vl", "qwen3_vl_moe", "internvl_chat"])
 def test_a_later_turn_reuses_the_picture_and_answers_as_a_cold_prefill(arch):
     model = build_model(arch, "micro")
     first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
@@ -129,7 +129,7 @@ def test_the_flag_through_the_server_and_the_openai_client(tmp_path):
         server.stop()
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3", "pixtral", "lfm2_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3", "pixtral", "lfm2_vl", "internvl_chat"])
 def test_two_chats_with_the_same_words_about_pictures_one_pixel_apart_never_share_kv(arch):
     """200 interleaved turns: 10 rounds of two 10-turn chats whose words are the same and whose pictures
     differ by one pixel (another pixel each round; chat a's picture is the same every round). Every
@@ -178,7 +178,7 @@ def test_two_chats_with_the_same_words_about_pictures_one_pixel_apart_never_shar
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "llava",
                                   "pixtral", "mistral3", "lfm2_vl", "glm4v", "glm4v_moe", "llama4",
-                                  "kimi_vl", "qwen3_vl_moe", "qwen3_5_moe"])
+                                  "kimi_vl", "qwen3_vl_moe", "qwen3_5_moe", "internvl_chat"])
 def test_four_turns_with_a_second_picture_in_turn_three_batched_with_other_traffic(arch):
     """Issue 33's exactness check: each turn runs beside a text request and another image request;
     every turn's greedy tokens equal the cache-off engine's, and turns 2-4 report cached tokens."""

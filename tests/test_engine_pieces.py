@@ -20,7 +20,7 @@ from vlmserve.engine.worker import MLXWorkerThread
 from vlmserve.preprocess.prompt import PromptBuilder
 from vlmserve.testing import build_model
 
-SPLIT_TOWERS = ("gemma4", "qwen2_vl", "qwen2_5_vl", "qwen3_5", "glm4v", "glm4v_moe", "qwen3_5_moe",
+SPLIT_TOWERS = ("gemma4", "qwen2_vl", "qwen2_5_vl", "qwen3_5", "glm4v", "glm4v_moe", "qwen3_5_moe", "internvl_chat",
                 "kimi_vl")
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 

@@ -29,6 +29,7 @@ EXPECTED = {
     "llava": TemplateInfo(parts_roles=ALL, renders_tools=False),
     "llava_next": TemplateInfo(parts_roles=ALL, renders_tools=False),
     "lfm2_vl": TemplateInfo(renders_tools=False),
+    "internvl_chat": TemplateInfo(renders_tools=False),
 }
 
 

@@ -20,6 +20,7 @@ from vlmserve.engine.drafter import AnyDrafter, Drafter, DrafterError
 from vlmserve.engine.engine_config import DEFAULT_DTYPE, DTYPES
 from vlmserve.engine.models import ModelAdapter, UnsupportedModelError, adapter_for
 from vlmserve.engine.speculative import SpeculativeConfig
+from vlmserve.preprocess.prompt import templater_of
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ def _template_end_of_turn(processor: Any, tokenizer: Any) -> int | None:
     """The special token the chat template puts right after an assistant message."""
     marker = "vlmserve-probe"
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
-    templater = processor if getattr(processor, "chat_template", None) else tokenizer
+    templater = templater_of(processor)  # the checkpoint's template, as phase 1 renders with
     try:
         text = templater.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
         after = text[text.index(marker) + len(marker):]

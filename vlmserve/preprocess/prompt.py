@@ -51,8 +51,24 @@ def tokenizer_of(processor: Any) -> Any:
 
 
 def templater_of(processor: Any) -> Any:
-    """Whichever object carries the chat template: the processor, else its tokenizer."""
-    return processor if getattr(processor, "chat_template", None) else tokenizer_of(processor)
+    """Whichever object carries the checkpoint's chat template: the processor, else its tokenizer. A
+    processor's template that is only its class's built-in default yields to the tokenizer's, which the
+    checkpoint ships (mlx-vlm's InternVLChatProcessor brings one that loses string content's words)."""
+    template = getattr(processor, "chat_template", None)
+    tokenizer = tokenizer_of(processor)
+    if not template or (template == _default_template(processor) and getattr(tokenizer, "chat_template", None)):
+        return tokenizer
+    return processor
+
+
+def _default_template(processor: Any) -> str | None:
+    """The chat template a processor's class sets when none is given (its ``__init__`` default)."""
+    try:
+        parameter = inspect.signature(type(processor).__init__).parameters.get("chat_template")
+    except (TypeError, ValueError):  # a builtin or C-level __init__: no signature to read
+        return None
+    default = getattr(parameter, "default", None)
+    return default if isinstance(default, str) else None
 
 
 def render_chat(

@@ -25,13 +25,14 @@ if TYPE_CHECKING:
 ARCHS = (
     "gemma4", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5",
     "mistral3", "pixtral", "smolvlm", "paligemma", "llava", "llava_next", "lfm2_vl",
-    "glm4v", "glm4v_moe", "llama4", "kimi_vl", "qwen3_vl_moe", "qwen3_5_moe",
+    "glm4v", "glm4v_moe", "llama4", "kimi_vl", "qwen3_vl_moe", "qwen3_5_moe", "internvl_chat",
 )  # fmt: skip
 SIZES = ("micro", "small")
 # Builds of an architecture with the real checkpoints' optional features on, which its tests also run: Gemma 4's
 # E2B/E4B (the last layers read earlier layers' KV, per-layer inputs, double-wide MLPs) and 26B-A4B (a
-# mixture-of-experts block, keys as values on full-attention layers).
-VARIANTS: dict[str, tuple[str, ...]] = {"gemma4": ("e2b", "moe")}
+# mixture-of-experts block, keys as values on full-attention layers); InternVL3's beside InternVL3.5's (a Qwen2.5:
+# q/k/v biases, no q/k norms).
+VARIANTS: dict[str, tuple[str, ...]] = {"gemma4": ("e2b", "moe"), "internvl_chat": ("internvl3",)}
 # Every build the family tests run: each architecture, then each variant as ``arch/variant``.
 FAMILY_BUILDS = (*ARCHS, *(f"{arch}/{variant}" for arch, names in VARIANTS.items() for variant in names))
 # Bump when anything that shapes the files changes: the cache key includes it.

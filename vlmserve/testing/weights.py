@@ -26,6 +26,8 @@ _MODULE_CONFIGS = ["text", "vision", "perceiver", "projector", "audio"]
 def instantiate(config: dict[str, Any], seed: int) -> nn.Module:
     """Build the model from config.json's dict the way ``mlx_vlm.utils.load_model`` does."""
     config = dict(config)  # the config classes keep references; never share the recipe's
+    if "llm_config" in config:  # InternVL's name for the text config, which mlx-vlm's load reads as it
+        config["text_config"] = config.pop("llm_config")
     module, _ = get_model_and_args(config)
     model_config = module.ModelConfig.from_dict(config)
     model_config = update_module_configs(model_config, module, config, _MODULE_CONFIGS)

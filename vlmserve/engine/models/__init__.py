@@ -11,6 +11,7 @@ import mlx.nn as nn
 from vlmserve.engine.models.base import Embedded, ModelAdapter
 from vlmserve.engine.models.gemma import Gemma3Adapter, Gemma4Adapter, PaliGemmaAdapter
 from vlmserve.engine.models.glm import GLMAdapter, GLMMoEAdapter
+from vlmserve.engine.models.internvl import InternVLAdapter
 from vlmserve.engine.models.kimi_vl import KimiVLAdapter
 from vlmserve.engine.models.lfm2_vl import LFM2VLAdapter
 from vlmserve.engine.models.llama4 import Llama4Adapter
@@ -23,7 +24,7 @@ from vlmserve.engine.models.untested import UNTESTED_OFF, UntestedAdapter
 _ADAPTERS: tuple[type[ModelAdapter], ...] = (
     Gemma3Adapter, Gemma4Adapter, PaliGemmaAdapter, MRoPEAdapter, Qwen3VLAdapter, MistralAdapter, LlavaAdapter,
     LlavaNextAdapter, SmolVLMAdapter, LFM2VLAdapter, GLMAdapter, GLMMoEAdapter, Llama4Adapter,
-    KimiVLAdapter, Qwen3VLMoEAdapter,
+    KimiVLAdapter, InternVLAdapter, Qwen3VLMoEAdapter,
 )  # fmt: skip
 
 # Every family with an adapter is tested here; others go through the untested one (engine/models/untested.py).
