@@ -164,3 +164,25 @@ def demo_client(demo_server):
     import openai
 
     return openai.OpenAI(base_url=demo_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def reply_message(arch: str, parser: str, reply: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """A model's reply text, as its micro build's token ids, through the real output path one token at a time
+    (detokenized skipping special tokens, tool calls parsed by ``parser``): the OpenAI message it ends in."""
+    from transformers import AutoTokenizer
+
+    from vlmserve.api.openai_format import ChoiceBuilder
+    from vlmserve.engine.request import StepOutput
+    from vlmserve.frontend.output import OutputProcessor
+    from vlmserve.testing import build_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(build_model(arch, "micro")))
+    ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+    processor = OutputProcessor(tokenizer, skip_special_tokens=True)
+    builder = ChoiceBuilder("chatcmpl-x", "m", tokenizer, parser, tools)
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        builder.step(processor.process(StepOutput("r", (token,), finish_reason="stop" if last else None,
+                                                  num_prompt_tokens=10)))
+    message: dict[str, Any] = builder.response(builder.finish_reason("stop"), False)["choices"][0]["message"]
+    return message

@@ -4,6 +4,7 @@ of (text, tools, content, calls); the template tells GLM's format from Hermes's;
 from __future__ import annotations
 
 import pytest
+from conftest import reply_message
 
 from tests.test_tools_gemma4 import WEATHER
 from vlmserve.preprocess.tool_grammar import tool_call_lark
@@ -83,23 +84,8 @@ def test_a_reply_thinks_then_calls_through_the_real_output_path() -> None:
     reasoning apart and the call in OpenAI's shape."""
     import json
 
-    from transformers import AutoTokenizer
-
-    from vlmserve.api.openai_format import ChoiceBuilder
-    from vlmserve.engine.request import StepOutput
-    from vlmserve.frontend.output import OutputProcessor
-    from vlmserve.testing import build_model
-
-    tokenizer = AutoTokenizer.from_pretrained(str(build_model("glm4v", "micro")))
     reply = "<think>It may rain.</think>\n" + call("get_weather", location="Tokyo", days="2") + "<|observation|>"
-    ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
-    processor = OutputProcessor(tokenizer, skip_special_tokens=True)
-    builder = ChoiceBuilder("chatcmpl-x", "m", tokenizer, "glm", WEATHER)
-    for i, token in enumerate(ids):
-        last = i == len(ids) - 1
-        builder.step(processor.process(StepOutput("r", (token,), finish_reason="stop" if last else None,
-                                                  num_prompt_tokens=10)))
-    message = builder.response(builder.finish_reason("stop"), False)["choices"][0]["message"]
+    message = reply_message("glm4v", "glm", reply, WEATHER)
     assert message.get("reasoning_content") == "It may rain." and not message.get("content")
     (got,) = message["tool_calls"]
     assert got["function"]["name"] == "get_weather"

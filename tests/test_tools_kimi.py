@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import reply_message
 
 from tests.test_tools_gemma4 import WEATHER
 from vlmserve.frontend.reasoning import ReasoningSplitter
@@ -101,23 +102,7 @@ def test_kimi_thinking_markers_split_at_every_place(opened: bool) -> None:
 def test_a_reply_thinks_then_calls_through_the_real_output_path() -> None:
     """Kimi-VL-Thinking writes ``◁think▷`` as text, then a call: detokenized one token at a time skipping special
     tokens (the tool markers are plain, so the parser sees them), the reasoning comes apart and the call whole."""
-    from transformers import AutoTokenizer
-
-    from vlmserve.api.openai_format import ChoiceBuilder
-    from vlmserve.engine.request import StepOutput
-    from vlmserve.frontend.output import OutputProcessor
-    from vlmserve.testing import build_model
-
-    tokenizer = AutoTokenizer.from_pretrained(str(build_model("kimi_vl", "micro")))
-    reply = "◁think▷It may rain.◁/think▷" + section(WEATHER_CALL) + "[EOS]"
-    ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
-    processor = OutputProcessor(tokenizer, skip_special_tokens=True)
-    builder = ChoiceBuilder("chatcmpl-x", "m", tokenizer, "kimi", WEATHER)
-    for i, token in enumerate(ids):
-        last = i == len(ids) - 1
-        builder.step(processor.process(StepOutput("r", (token,), finish_reason="stop" if last else None,
-                                                  num_prompt_tokens=10)))
-    message = builder.response(builder.finish_reason("stop"), False)["choices"][0]["message"]
+    message = reply_message("kimi_vl", "kimi", "◁think▷It may rain.◁/think▷" + section(WEATHER_CALL) + "[EOS]", WEATHER)
     assert message.get("reasoning_content") == "It may rain." and not message.get("content")
     (got,) = message["tool_calls"]
     assert got["id"] == "functions.get_weather:0" and got["function"]["name"] == "get_weather"

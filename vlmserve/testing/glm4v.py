@@ -35,7 +35,7 @@ import mlx.nn as nn
 
 from .recipe import MICRO, SMALL, Dims, Recipe
 from .templates import published_template
-from .tokenizer import TokenizerSpec
+from .tokenizer import TokenizerSpec, unmark_special
 from .weights import RESIDUAL_GAIN, silence_tokens
 
 SPECIAL_TOKENS = (
@@ -151,18 +151,8 @@ def model_config(dims: Dims, tokens: TokenizerSpec, model_type: str, text: dict[
 
 
 def plain_tokens(tokenizer: Any) -> Any:
-    """The tokenizer with PLAIN_TOKENS marked non-special (as qwen3_vl.plain_tokens does for Qwen's)."""
-    import json
-
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    data = json.loads(tokenizer.backend_tokenizer.to_str())
-    for token in data["added_tokens"]:
-        if token["content"] in PLAIN_TOKENS:
-            token["special"] = False
-    kwargs = {k: v for k, v in tokenizer.init_kwargs.items() if k != "backend"}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(data)), **kwargs)
+    """The tokenizer with PLAIN_TOKENS marked non-special, as in the real tokenizer.json."""
+    return unmark_special(tokenizer, PLAIN_TOKENS)
 
 
 def pixel_bounds(dims: Dims) -> tuple[int, int]:

@@ -28,7 +28,6 @@ ones), so the vision tower keeps the real patch size at both sizes.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from typing import Any
 
@@ -37,7 +36,7 @@ import mlx.nn as nn
 
 from .recipe import MICRO, SMALL, Dims, Recipe
 from .templates import published_template
-from .tokenizer import TokenizerSpec
+from .tokenizer import TokenizerSpec, unmark_special
 from .weights import RESIDUAL_GAIN, silence_tokens
 
 SPECIAL_TOKENS = (
@@ -153,16 +152,8 @@ def model_config(dims: Dims, tokens: TokenizerSpec, size: str) -> dict[str, Any]
 
 
 def plain_tokens(tokenizer: Any) -> Any:
-    """The tokenizer with PLAIN_TOKENS marked non-special (as qwen3_vl.plain_tokens does for Qwen's)."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    data = json.loads(tokenizer.backend_tokenizer.to_str())
-    for token in data["added_tokens"]:
-        if token["content"] in PLAIN_TOKENS:
-            token["special"] = False
-    kwargs = {k: v for k, v in tokenizer.init_kwargs.items() if k != "backend"}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(data)), **kwargs)
+    """The tokenizer with PLAIN_TOKENS marked non-special, as in the real tokenizer.json."""
+    return unmark_special(tokenizer, PLAIN_TOKENS)
 
 
 def make_processor(tokenizer: Any) -> Any:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -61,19 +62,24 @@ PARTIAL_ROTARY = 0.25  # real: M-RoPE on a quarter of each head
 
 
 def recipe(size: str) -> Recipe:
-    dims = DIMS[size]
+    return hybrid_recipe("qwen3_5", "Qwen3_5ForConditionalGeneration", size, DIMS[size], text_config)
+
+
+def hybrid_recipe(arch: str, architecture: str, size: str, dims: Dims, text: Callable[..., dict[str, Any]],
+                  fix: Callable[[nn.Module], None] | None = None) -> Recipe:
+    """A Qwen3.5-shaped recipe (its template, tokens, tower and processor) whose language model's config is
+    ``text(dims, tokens, interval, linear_heads)``: Qwen3.5's dense one, or its MoE (qwen3_5_moe.py)."""
     tokens = qwen_tokens(dims, published_template("qwen3.5-35b-a3b"))
-    text = text_config(dims, tokens, FULL_ATTENTION_INTERVAL[size], LINEAR_HEADS[size])
-    config = model_config(dims, tokens, "qwen3_5", text)
-    config["architectures"] = ["Qwen3_5ForConditionalGeneration"]
-    config["vision_config"] = vision_config(dims, "qwen3_5", POSITION_GRID[size], [])
+    config = model_config(dims, tokens, arch, text(dims, tokens, FULL_ATTENTION_INTERVAL[size], LINEAR_HEADS[size]))
+    config["architectures"] = [architecture]
+    config["vision_config"] = vision_config(dims, arch, POSITION_GRID[size], [])
     return Recipe(
-        arch="qwen3_5",
+        arch=arch,
         dims=dims,
         tokens=tokens,
         config=config,
         make_processor=lambda tokenizer: make_processor(plain_tokens(tokenizer), dims),
-        fix_init=fix_init,
+        fix_init=fix or fix_init,
     )
 
 
@@ -127,9 +133,9 @@ def text_config(
     }
 
 
-def fix_init(model: nn.Module) -> None:
+def fix_init(model: nn.Module, mlp_outputs: Callable[[Any], tuple[Any, ...]] = lambda mlp: (mlp.down_proj,)) -> None:
     """As qwen3_vl.fix_init: the residual gain on each branch's last projection (o_proj,
-    the gated-delta out_proj, down_proj) and sharper attention on q_norm/k_norm."""
+    the gated-delta out_proj, the MLP's ``mlp_outputs``: its down_proj) and sharper attention on q_norm/k_norm."""
     for layer in model.language_model.model.layers:
         if layer.is_linear:
             mixer = layer.linear_attn
@@ -139,7 +145,8 @@ def fix_init(model: nn.Module) -> None:
             for norm in (attn.q_norm, attn.k_norm):
                 norm.weight = mx.full(norm.weight.shape, QK_GAIN, dtype=norm.weight.dtype)
             attn.o_proj.weight = attn.o_proj.weight * RESIDUAL_GAIN
-        layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * RESIDUAL_GAIN
+        for proj in mlp_outputs(layer.mlp):
+            proj.weight = proj.weight * RESIDUAL_GAIN
     silence_pads(model)
 
 

@@ -19,23 +19,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 
-from .qwen3_5 import FULL_ATTENTION_INTERVAL, LINEAR_HEADS, text_config
-from .qwen3_vl import (
-    POSITION_GRID,
-    QK_GAIN,
-    make_processor,
-    model_config,
-    plain_tokens,
-    qwen_tokens,
-    silence_pads,
-    vision_config,
-)
+from . import qwen3_5
+from .qwen3_5 import hybrid_recipe, text_config
 from .recipe import MICRO, SMALL, Dims, Recipe
-from .templates import published_template
-from .weights import RESIDUAL_GAIN
 
 # float32 at both sizes: MLX's CPU GatherMM (the experts' matmul) refuses bf16 (mlx 0.32.4, see glm4v_moe.py).
 DIMS = {"micro": MICRO, "small": replace(SMALL, layers=8, dtype="float32")}
@@ -45,20 +33,10 @@ EXPERTS = {"micro": (8, 2, 16, 16), "small": (8, 2, 64, 64)}
 
 
 def recipe(size: str) -> Recipe:
-    dims = DIMS[size]
-    tokens = qwen_tokens(dims, published_template("qwen3.5-35b-a3b"))
-    text = moe_text_config(dims, tokens, FULL_ATTENTION_INTERVAL[size], LINEAR_HEADS[size], EXPERTS[size])
-    config = model_config(dims, tokens, "qwen3_5_moe", text)
-    config["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
-    config["vision_config"] = vision_config(dims, "qwen3_5_moe", POSITION_GRID[size], [])
-    return Recipe(
-        arch="qwen3_5_moe",
-        dims=dims,
-        tokens=tokens,
-        config=config,
-        make_processor=lambda tokenizer: make_processor(plain_tokens(tokenizer), dims),
-        fix_init=fix_init,
-    )
+    def text(dims: Dims, tokens: Any, interval: int, linear: tuple[int, int, int]) -> dict[str, Any]:
+        return moe_text_config(dims, tokens, interval, linear, EXPERTS[size])
+
+    return hybrid_recipe("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", size, DIMS[size], text, fix_init)
 
 
 def moe_text_config(
@@ -79,15 +57,4 @@ def moe_text_config(
 
 def fix_init(model: nn.Module) -> None:
     """As qwen3_5.fix_init, the residual gain on the routed and shared experts' down projections."""
-    for layer in model.language_model.model.layers:
-        if layer.is_linear:
-            mixer = layer.linear_attn
-            mixer.out_proj.weight = mixer.out_proj.weight * RESIDUAL_GAIN
-        else:
-            attn = layer.self_attn
-            for norm in (attn.q_norm, attn.k_norm):
-                norm.weight = mx.full(norm.weight.shape, QK_GAIN, dtype=norm.weight.dtype)
-            attn.o_proj.weight = attn.o_proj.weight * RESIDUAL_GAIN
-        for proj in (layer.mlp.switch_mlp.down_proj, layer.mlp.shared_expert.down_proj):
-            proj.weight = proj.weight * RESIDUAL_GAIN
-    silence_pads(model)
+    qwen3_5.fix_init(model, lambda mlp: (mlp.switch_mlp.down_proj, mlp.shared_expert.down_proj))

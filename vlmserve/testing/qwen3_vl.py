@@ -27,7 +27,6 @@ its numpy Qwen3VLImageProcessor with the saved patch/merge/pixel bounds.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +35,7 @@ import mlx.nn as nn
 
 from .recipe import MICRO, SMALL, Dims, Recipe
 from .templates import published_template
-from .tokenizer import TokenizerSpec
+from .tokenizer import TokenizerSpec, unmark_special
 from .weights import RESIDUAL_GAIN, silence_tokens
 
 SPECIAL_TOKENS = (
@@ -178,21 +177,8 @@ def model_config(
 
 
 def plain_tokens(tokenizer: Any) -> Any:
-    """The same tokenizer with PLAIN_TOKENS marked non-special, as in the real tokenizer.json.
-
-    tokenizers cannot unmark a token once trained as special, so the JSON is edited and wrapped
-    again with the original arguments.
-    """
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    data = json.loads(tokenizer.backend_tokenizer.to_str())
-    for token in data["added_tokens"]:
-        if token["content"] in PLAIN_TOKENS:
-            token["special"] = False
-    kwargs = {k: v for k, v in tokenizer.init_kwargs.items() if k != "backend"}
-    backend = Tokenizer.from_str(json.dumps(data))
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+    """The tokenizer with PLAIN_TOKENS marked non-special, as in the real tokenizer.json."""
+    return unmark_special(tokenizer, PLAIN_TOKENS)
 
 
 def pixel_bounds(dims: Dims) -> tuple[int, int]:

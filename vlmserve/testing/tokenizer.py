@@ -8,8 +8,9 @@ chat template emits it (see templates.py).
 
 from __future__ import annotations
 
+import json
 import sysconfig
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,3 +81,16 @@ def build_tokenizer(spec: TokenizerSpec, corpus: list[str] | None = None) -> Pre
         add_bos_token=spec.add_bos_token,
         add_eos_token=False,
     )
+
+
+def unmark_special(tokenizer: PreTrainedTokenizerFast, plain: Iterable[str]) -> PreTrainedTokenizerFast:
+    """The same tokenizer with the ``plain`` added tokens marked non-special, as real tokenizer.json files mark
+    tool and think tags: ``decode(..., skip_special_tokens=True)`` keeps them. tokenizers cannot unmark a token
+    once trained as special, so the JSON is edited and wrapped again with the original arguments."""
+    plain = set(plain)
+    data = json.loads(tokenizer.backend_tokenizer.to_str())
+    for token in data["added_tokens"]:
+        if token["content"] in plain:
+            token["special"] = False
+    kwargs = {k: v for k, v in tokenizer.init_kwargs.items() if k != "backend"}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(data)), **kwargs)
