@@ -30,7 +30,7 @@ from vlmserve.api.schemas import ChatCompletionRequest
 from vlmserve.api.state import ServedModel, ServerState
 from vlmserve.api.timing import Timing
 from vlmserve.engine.params import PromptInputs
-from vlmserve.frontend.async_engine import AsyncEngine, ImagePrompt, PromptFactory
+from vlmserve.frontend.async_engine import ImagePrompt, PromptFactory
 from vlmserve.frontend.output import RequestOutput
 from vlmserve.preprocess.guided import GuideError
 from vlmserve.preprocess.media import MediaPolicy, load_image_source, load_video_source
@@ -60,13 +60,15 @@ def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str,
     return ImagePrompt(make) if chat.image_urls or chat.video_urls else make
 
 
-def chat_input(req: ChatCompletionRequest, state: ServerState, engine: AsyncEngine) -> ChatInput:
+def chat_input(req: ChatCompletionRequest, state: ServerState, served: ServedModel) -> ChatInput:
     """A chat request as phase 1 takes it, under the server's media policy; media the model cannot
     take is a 400 naming the model, before anything is fetched or decoded."""
+    engine = served.engine
     chat = to_chat_input(req, state.media, state.config.default_chat_template_kwargs, engine.info.max_pixels)
     refused = engine.media_refusal(len(chat.image_urls), len(chat.video_urls))
     if refused is not None:
         raise bad_request(refused, "messages", "unsupported_media")
+    state.billing_headers_dropped(chat.billing_headers, served.name)
     return chat
 
 
@@ -153,7 +155,7 @@ async def open_call(req: ChatCompletionRequest, http: Request, state: ServerStat
 async def _open(req: ChatCompletionRequest, http: Request, state: ServerState, request_id: str,
                 served: ServedModel) -> Call | None:
     engine = served.engine
-    chat = chat_input(req, state, engine)
+    chat = chat_input(req, state, served)
     tokenizer = engine.tokenizer  # the loop's own copy
     params = to_sampling_params(req, state.config.default_max_tokens, len(tokenizer) if tokenizer is not None else 0)
     if chat.tools and served.tool_parser:

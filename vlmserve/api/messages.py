@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from vlmserve.api.billing import without_billing_header
 from vlmserve.api.errors import bad_request
 from vlmserve.api.limits import check_json
 from vlmserve.api.schemas import ChatCompletionRequest, ImagePart, Message, NamedToolChoice, SamplingFields, VideoPart
@@ -35,6 +36,7 @@ class ChatInput:
     image_details: list[str | None] = field(default_factory=list)  # each image's detail (low, high, auto)
     video_urls: list[str] = field(default_factory=list)
     video_sampling: VideoSampling = VideoSampling()  # the request's fps/max_frames over the server's
+    billing_headers: tuple[str, ...] = ()  # Claude Code's billing lines, dropped from system messages (api/billing.py)
 
 
 # apply_chat_template's own arguments, and the template itself: never a template variable from a client
@@ -139,7 +141,9 @@ def to_chat_input(req: ChatCompletionRequest, media: MediaPolicy,
     details: list[str | None] = []
     videos: list[str] = []
     names = _tool_call_names(req.messages)
-    messages = [_message(m, i, _Media(urls, details, videos), names) for i, m in enumerate(req.messages)]
+    sent = [without_billing_header(m) for m in req.messages]  # indices stay the request's, for errors
+    messages = [_message(m, i, _Media(urls, details, videos), names) for i, (m, _) in enumerate(sent)
+                if m is not None]
     for kind, count, most in (("images", len(urls), media.max_images), ("videos", len(videos), media.max_videos)):
         if count > most:
             raise bad_request(f"messages: {count} {kind} is over the limit of {most} per request (the server's "
@@ -147,7 +151,8 @@ def to_chat_input(req: ChatCompletionRequest, media: MediaPolicy,
     return ChatInput(messages, urls, _tools_for_template(req), _instructions(req),
                      template_kwargs(default_template_kwargs or {}, req.chat_template_kwargs),
                      image_kwargs(req.mm_processor_kwargs, model_max_pixels, req.model), details, videos,
-                     video_sampling(req.mm_processor_kwargs, media.video_sampling))
+                     video_sampling(req.mm_processor_kwargs, media.video_sampling),
+                     tuple(header for _, header in sent if header))
 
 
 @dataclass(slots=True, frozen=True)

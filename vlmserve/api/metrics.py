@@ -191,6 +191,9 @@ class ServerMetrics:
                                    buckets=_TOKEN_BUCKETS, registry=r)
         self.prompt_tokens = _pair("prompt_tokens", "Prompt tokens in", None, r)
         self.completion_tokens = _pair("completion_tokens", "Tokens generated", None, r, vllm_name="generation_tokens")
+        self.billing_headers = Counter("vlmserve_billing_header_dropped", "Claude Code's x-anthropic-billing-header "
+                                       "blocks dropped from system messages (their cch would miss the prefix cache)",
+                                       ["model"], registry=r)
 
     def watch_engines(self, engines: Callable[[], list[tuple[str, Any]]]) -> None:
         self.registry.register(_EngineCollector(engines))

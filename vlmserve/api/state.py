@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from vlmserve.api.billing import BillingHeaderLog
 from vlmserve.api.errors import APIError, retry_after
 from vlmserve.api.metrics import ServerMetrics
 from vlmserve.config import ServeConfig
@@ -89,6 +90,13 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     draining: bool = False  # shutting down: no new requests, running ones finish
     registry: Registry | None = None  # the models of --model-dir, on demand (api/registry.py)
+    billing_log: BillingHeaderLog = field(default_factory=BillingHeaderLog)  # once per client
+
+    def billing_headers_dropped(self, headers: tuple[str, ...], model: str) -> None:
+        """Claude Code's billing blocks dropped from one request: counted, and logged once per client."""
+        for header in headers:
+            self.metrics.billing_headers.labels(model).inc()
+            self.billing_log.dropped(header, model)
 
     def model(self, name: str) -> ServedModel:
         found = self._find(name)

@@ -91,7 +91,7 @@ async def chat_prompt_ids(body: ChatCompletionRequest, state: ServerState, add_g
     phase 1 refuses is the API's 4xx."""
     async with state.using(body.model) as served:
         engine = served.engine
-        chat = chat_input(body, state, engine)
+        chat = chat_input(body, state, served)
         try:
             prompt = await engine.preprocess(prompt_factory(chat, state.media, f"tokenize-{uuid.uuid4().hex}",
                                                             add_generation_prompt))
