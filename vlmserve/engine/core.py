@@ -162,6 +162,11 @@ class EngineCore:
                     store.spill_all()
             self.tier.close()
 
+    def limit_batch(self, rows: int) -> None:
+        """At most ``rows`` requests run at once from the next step on (an untested family whose start-up
+        check found that decoding together changes its tokens)."""
+        self.scheduler.config = dataclasses.replace(self.scheduler.config, max_batch_size=rows)
+
     def reset_caches(self) -> None:
         """Forget every cached prefix and image, and their counters (after the warm-up, whose
         prompts nobody sends)."""

@@ -314,9 +314,7 @@ class AsyncEngine:
         self.max_images = verdict.max_images
         if not verdict.batches:  # one request at a time, as mlx-vlm's own decode
             self.config = dataclasses.replace(self.config, max_batch_size=1)
-            self.core = assembled.core(self.worker, self._publish_threadsafe, self.config, self._lost_threadsafe,
-                                       self.on_stuck)
-            self.worker.set_stepper(self.core)
+            await self.worker.run(self.core.limit_batch, 1)
         log.warning("model %s (%s): an untested family: %d probes gave mlx-vlm's own prompt ids and greedy choices "
                     "(up to rounding); decode batching %s", self.name, self.loaded.model_type, verdict.probes,
                     "on (so did the probes decoded together)" if verdict.batches else
