@@ -1,4 +1,5 @@
-"""The prefix cache on the real engine: text prompts reuse KV, image prompts never touch it."""
+"""The prefix cache on the real engine: text prompts reuse KV, image prompts at most the text before their
+first image."""
 
 from __future__ import annotations
 
@@ -40,13 +41,14 @@ def test_identical_prompt_reuses_all_but_the_last_token(gemma4_micro):
     assert results[0].token_ids == results[1].token_ids
 
 
-def test_image_prompts_skip_the_cache_entirely(gemma4_micro):
-    """Same text, different images of the same size: never shared KV, outputs as with the cache off."""
+def test_image_prompts_never_share_kv_past_the_text_before_their_image(gemma4_micro):
+    """Same text, different images of the same size: never shared KV, outputs as with the cache off. Each
+    looks up the text before its image (here a chat header no text prompt left in the store) and is not kept."""
     red, green = scene("circle", (220, 30, 30)), scene("triangle", (30, 170, 60))
     cases = [("what is in the image?", [red]), ("what is in the image?", [green]), ("what is in the image?", [red])]
     cached, before, after = asyncio.run(_run_all(gemma4_micro, cases, prefix_cache=True))
     fresh, _, _ = asyncio.run(_run_all(gemma4_micro, cases, prefix_cache=False))
-    assert (after.hits, after.misses, after.entries) == (before.hits, before.misses, before.entries)  # no lookup, no store
+    assert (after.hits, after.misses - 3, after.entries) == (before.hits, before.misses, before.entries)  # no store
     assert all(r.num_cached_tokens == 0 for r in cached)
     assert [r.token_ids for r in cached] == [r.token_ids for r in fresh]
     assert cached[0].token_ids != cached[1].token_ids  # the image really conditions the answer
@@ -104,3 +106,40 @@ def test_a_reserved_prefix_is_whole_even_when_the_store_evicts_it_before_the_run
     assert mx.array_equal(a.keys[..., :9, :], keys[..., :9, :])
     assert mx.array_equal(b.values[..., :6, :], -keys[..., :6, :])
     assert caches.take_prefix("a") is None  # taken once
+
+
+def test_an_image_prompt_looks_up_the_text_before_its_first_image_in_the_text_store():
+    """The text store serves a prompt with images up to its first media token (7 here) and never past it,
+    where the family allows it (``text_for_images``) and the prompt is within the sliding window; the
+    image-keyed store's longer prefix wins; one lookup is counted once, by the store it reuses."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import KVCache
+
+    from vlmserve.engine.caches import EngineCaches
+    from vlmserve.engine.params import ImageItem, PromptInputs, prefix_key
+    from vlmserve.engine.prefix_cache import PrefixCache
+
+    def kv(n: int) -> list[KVCache]:
+        layer = KVCache()
+        layer.update_and_fetch(mx.zeros((1, 1, n, 2)), mx.zeros((1, 1, n, 2)))
+        return [layer]
+
+    def image_prompt(tokens: list[int]) -> PromptInputs:
+        return PromptInputs(tokens, {"pixel_values": np.zeros((1, 3))}, 1, (ImageItem("ab" * 16, {}),))
+
+    text, images = PrefixCache(4, 1 << 20), PrefixCache(4, 1 << 20)
+    caches = EngineCaches(text, None, images, frozenset({7}), mm_limit=20, text_for_images=True)
+    text.store([1, 2, 3, 4, 5, 6], kv(6))  # the previous turn: text, and more text than comes before the image
+    text.store([1, 2, 3, 4, 9], kv(5))
+    prompt = image_prompt([1, 2, 3, 4, 5, 6, 7, 7, 8])
+    assert caches.reserve_prefix("a", prompt) == 6  # the previous prompt whole
+    assert caches.reserve_prefix("b", image_prompt([1, 2, 3, 4, 7, 7, 5, 6])) == 4  # never past the first image
+    assert (text.stats().hits, text.stats().query_tokens, images.stats().misses) == (2, 17, 0)
+    images.store(prefix_key(prompt, caches.media_ids)[:8], kv(8))  # a's first 8, its picture included
+    assert caches.reserve_prefix("c", prompt) == 8 and images.stats().hits == 1 and text.stats().hits == 2
+    assert caches.reserve_prefix("d", image_prompt([9, 7, 1])) == 0 and images.stats().misses == 1  # own store
+    assert caches.reserve_prefix("e", image_prompt([1, 2, 3, 4, 5, 6, 7, *range(20, 40)])) == 0  # past the window
+    caches.mm_prefix, caches.text_for_images = None, False  # a family whose image prefixes are not proven exact
+    assert caches.reserve_prefix("f", image_prompt([1, 2, 3, 4, 5, 6, 7])) == 0
+    assert [caches.take_prefix(r) is not None for r in "abcdef"] == [True] * 3 + [False] * 3

@@ -3,6 +3,8 @@ tokens and by layers, exact counts per step, the results of a step, finishing. N
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from vlmserve.engine.params import ImageItem, PromptInputs, SamplingParams
@@ -33,6 +35,9 @@ def _scheduler(*reqs: Request, batch: int = 8, budget: int = 512, caches: object
     return s
 
 
+MEDIA = 1000  # an image's placeholder token in the fake prompts
+
+
 class FakeCaches:
     """The caches' bookkeeping as the scheduler asks it: a text prefix store and a set of image keys."""
 
@@ -46,6 +51,8 @@ class FakeCaches:
 
     def reserve_prefix(self, request_id: str, prompt: PromptInputs) -> int:
         tokens = prompt.input_ids
+        if prompt.has_images:  # the text before its first image (MEDIA), whole; none: nothing
+            tokens = [*tokens[:tokens.index(MEDIA)], -1] if MEDIA in tokens else []
         for n in range(len(tokens) - 1, 0, -1):  # at least one token is left to compute
             if tuple(tokens[:n]) in self.prefixes:
                 self.reserved[request_id] = self.prefixes[tuple(tokens[:n])]
@@ -321,6 +328,21 @@ def test_a_text_prefix_is_looked_up_at_admission_and_stored_at_the_end_of_its_pr
     s.update_from_output(plan, RunnerOutput())
     plan = s.schedule()
     assert plan.prefill == [PrefillChunk("text", 8, 10, store_prefix=True)]
+
+
+def test_an_image_prompt_reuses_the_text_before_its_image_and_stores_nothing_without_its_own_store():
+    """The caches decide how much of a prompt with images a stored text prefix serves (the text before its
+    first image): the scheduler asks them for every prompt, and plans no store where the prompt's own store
+    is off (the image-keyed cache is opt-in)."""
+    req = _req("image", prompt_len=10, images=("k",))
+    req.prompt = replace(req.prompt, input_ids=[0, 1, 2, 3, 4, 5, 6, MEDIA, MEDIA, 9])
+    caches = FakeCaches({tuple(range(7)): "kv"})
+    s = _scheduler(req, caches=caches)
+    plan, _ = _step(s)
+    assert [(n.request_id, n.num_cached) for n in plan.new] == [("image", 7)]
+    assert caches.reserved == {"image": "kv"} and plan.encode_ids == ["image"]
+    plan, _ = _step(s)
+    assert plan.prefill == [PrefillChunk("image", 7, 10, store_prefix=False)]
 
 
 def test_whole_prompts_starting_together_share_a_forward():

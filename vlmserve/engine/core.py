@@ -131,6 +131,7 @@ class EngineCore:
             if policy.mm_prefix else None
         self.caches.media_ids = self.loaded.adapter.media_token_ids()
         self.caches.mm_limit = self.loaded.adapter.mm_prefix_limit
+        self.caches.text_for_images = policy.text_for_images
 
     def calibrate(self, prompt: PromptInputs) -> tuple[KVBudget, StepCosts, EngineMetrics]:
         """After the warm-up, once: the KV budget from this model's bytes per position, what a prompt token

@@ -156,6 +156,14 @@ def prefix_key(prompt: PromptInputs, media_ids: frozenset[int]) -> list[int] | N
     return key if next(images, None) is None else None
 
 
+def text_key(prompt: PromptInputs, media_ids: frozenset[int]) -> list[int] | None:
+    """The key under which the text store may serve a prompt with images: its tokens before its first
+    media token, then one id no stored prompt holds (-1), so that a cached prefix is reused up to the
+    first image whole, never past it. None where no token is known to be an image's."""
+    first = next((i for i, token in enumerate(prompt.input_ids) if token in media_ids), None)
+    return None if first is None else [*prompt.input_ids[:first], -1]
+
+
 def pixel_count(arrays: dict[str, HostArray] | dict[str, np.ndarray]) -> int:
     """How many pixel values a prompt's (or one image's or video's) arrays hold: the vision tower's work."""
     count = 0

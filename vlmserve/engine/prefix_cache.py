@@ -1,10 +1,10 @@
 """[worker] Prefix cache: reuse the KV of the longest cached token prefix.
 
-The text store is never consulted for prompts with pixel_values: the same token ids with a
-different image must not share KV (the engine asks ``prompt.has_images``, not the model config's
-image token: Gemma 4 sets no ``image_token_index``). Prompts with images go to a second store of
-this class only when the opt-in image-keyed cache is on, under a key that holds every image's
-content hash (``engine/caches.py``).
+The text store never serves a prompt with pixel_values past the text before its first image: the
+same token ids with a different image must not share KV (the engine asks ``prompt.has_images``, not
+the model config's image token: Gemma 4 sets no ``image_token_index``). Prompts with images are kept
+in a second store of this class only when the opt-in image-keyed cache is on, under a key that holds
+every image's content hash (``engine/caches.py``).
 """
 
 from __future__ import annotations
@@ -78,21 +78,31 @@ class PrefixCache:
     def find(self, tokens: list[int]) -> Reuse | None:
         """The longest cached prefix of ``tokens`` to reuse (at least one token is left to compute), not yet
         copied: its ``take`` makes the request's own KV (the runner's, when it enters the request)."""
-        self.query_tokens += len(tokens)
+        reuse = self.search(tokens)
+        self.count(len(tokens), reuse)
+        return reuse
+
+    def search(self, tokens: list[int]) -> Reuse | None:
+        """As ``find``, uncounted: a prompt looked up in two stores is counted once, by the one it reuses."""
         reuse = self._nearest(tokens)
         cached = reuse.length if reuse is not None else 0
         if self.tier is not None and cached < len(tokens) - 1:  # memory fell short of the whole prompt
             found = self.tier.lookup(self.marker, tokens, cached)
             if found is not None:  # more of the prompt than memory had, read back as the request's own
                 reuse = Reuse(found[0], found[1], private=True)
-                self.disk_hits += 1
-                self.disk_hit_tokens += reuse.length
-        if reuse is None or reuse.length <= 0:
+        return reuse if reuse is not None and reuse.length > 0 else None
+
+    def count(self, prompt_tokens: int, reuse: Reuse | None) -> None:
+        """One prompt of ``prompt_tokens`` looked up here, and what it reuses (None: a miss)."""
+        self.query_tokens += prompt_tokens
+        if reuse is None:
             self.misses += 1
-            return None
+            return
         self.hits += 1
         self.hit_tokens += reuse.length
-        return reuse
+        if reuse.private:  # read back from the disk tier
+            self.disk_hits += 1
+            self.disk_hit_tokens += reuse.length
 
     def _nearest(self, tokens: list[int]) -> Reuse | None:
         """As mlx-lm's ``LRUPromptCache.fetch_nearest_cache`` chooses (the prompt whole, a longer entry cut

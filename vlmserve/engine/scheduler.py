@@ -68,7 +68,7 @@ class SchedulerConfig:
 class CacheBook(Protocol):
     """What the scheduler asks the caches (engine/caches.py): it decides, they keep the arrays."""
 
-    def reuses(self, prompt: PromptInputs) -> bool: ...
+    def reuses(self, prompt: PromptInputs) -> bool: ...  # is its prefix stored (reserve_prefix may find one anyway)
 
     def reserve_prefix(self, request_id: str, prompt: PromptInputs) -> int: ...
 
@@ -316,7 +316,7 @@ class Scheduler:
 
     def _enter(self, req: Request) -> NewRequest:
         cached = 0
-        if self._prefix_cacheable(req) and self.caches is not None:
+        if self._may_reuse(req) and self.caches is not None:
             cached = self.caches.reserve_prefix(req.request_id, req.prompt)
         req.num_computed_tokens = req.num_cached_tokens = cached
         if cached and req.text_tail is not None and cached >= req.text_tail:
@@ -324,12 +324,16 @@ class Scheduler:
         forks = tuple((f.request_id, f.params) for f in req.forks)
         return NewRequest(req.request_id, req.prompt, req.params, cached, forks)
 
-    def _prefix_cacheable(self, req: Request) -> bool:
-        # A prompt with pixel_values reuses KV only through the opt-in image-keyed cache, whose key
-        # holds every image's content hash: same tokens, different image, no match (caches.py).
-        enabled = self.caches is not None and self.caches.reuses(req.prompt)
+    def _may_reuse(self, req: Request) -> bool:
+        """May a cached prefix serve ``req``? The caches say which and how much (a prompt with images: the
+        text before its first image, or more only through the image-keyed cache, caches.py)."""
         scored = req.params.prompt_logprobs is not None  # every position's logits are computed: none reused
-        return enabled and self.config.reuses_prefix and not scored
+        return self.caches is not None and self.config.reuses_prefix and not scored
+
+    def _prefix_cacheable(self, req: Request) -> bool:
+        """Is ``req``'s prefix stored? A prompt with pixel_values only in the opt-in image-keyed cache, whose
+        key holds every image's content hash: same tokens, different image, no match (caches.py)."""
+        return self._may_reuse(req) and self.caches is not None and self.caches.reuses(req.prompt)
 
     def _plan_encode(self, budgets: _Budgets) -> tuple[list[EncodeChunk], float]:
         """Image prompts to embed this step, in admission order: all of those the step is not bounded
