@@ -105,20 +105,18 @@ def _choice(rules: list[str]) -> str:
 
 
 def _hermes(functions: list[dict[str, Any]], mark: _Markers) -> str:
-    lines = [f'start: {mark(hermes.START)} "\\n" call "\\n" {mark(hermes.END)}',
-             f"call: {_choice([f'call_{i}' for i in range(len(functions))])}"]
-    for i, f in enumerate(functions):
-        head = json.dumps('{"name": ' + json.dumps(f["name"]) + ', "arguments": ')
-        lines.append(f'call_{i}: {head} args_{i} "}}"')
-        lines.append(f"args_{i}: %json {_schema(f)}")
-    return "\n".join(lines)
+    return _json_calls(functions, f'start: {mark(hermes.START)} "\\n" call "\\n" {mark(hermes.END)}', "arguments")
 
 
 def _llama4(functions: list[dict[str, Any]], mark: _Markers) -> str:
-    lines = [f"start: {mark(llama4.START)} {mark(llama4.CONTENT_END)} call",
-             f"call: {_choice([f'call_{i}' for i in range(len(functions))])}"]
+    return _json_calls(functions, f"start: {mark(llama4.START)} {mark(llama4.CONTENT_END)} call", "parameters")
+
+
+def _json_calls(functions: list[dict[str, Any]], start: str, arguments: str) -> str:
+    """``start``'s call: one JSON object ``{"name": NAME, "<arguments>": {...}}`` (the tool's schema)."""
+    lines = [start, f"call: {_choice([f'call_{i}' for i in range(len(functions))])}"]
     for i, f in enumerate(functions):
-        head = json.dumps('{"name": ' + json.dumps(f["name"]) + ', "parameters": ')
+        head = json.dumps('{"name": ' + json.dumps(f["name"]) + f', "{arguments}": ')
         lines.append(f'call_{i}: {head} args_{i} "}}"')
         lines.append(f"args_{i}: %json {_schema(f)}")
     return "\n".join(lines)
