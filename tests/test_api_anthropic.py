@@ -102,7 +102,8 @@ def test_a_system_prompt_and_count_tokens(claude, demo_server):
     kwargs = dict(model=DEFAULT_MODEL_NAME, system="You describe pictures.", messages=_image(), tools=[TOOL])
     counted = claude.messages.count_tokens(**kwargs)
     m = claude.messages.create(max_tokens=2, **kwargs)
-    assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
+    u = m.usage
+    assert counted.input_tokens == u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens > 0
     plain = claude.messages.count_tokens(model=DEFAULT_MODEL_NAME, messages=_image())
     assert plain.input_tokens < counted.input_tokens  # the system prompt and the tool cost tokens
 

@@ -114,7 +114,9 @@ def _session(claude: anthropic.Anthropic, model: str, first_block) -> list[tuple
         system = [{"type": "text", "text": first_block()},
                   {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
         m = claude.messages.create(model=model, max_tokens=2, system=system, tools=TOOLS, messages=messages)
-        counts.append((m.usage.input_tokens + m.usage.cache_read_input_tokens, m.usage.cache_read_input_tokens))
+        u = m.usage
+        counts.append((u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens,
+                       u.cache_read_input_tokens))
     return counts
 
 

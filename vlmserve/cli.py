@@ -249,6 +249,11 @@ def _caches_options(group: Any, serve: ServeConfig, engine: EngineConfig) -> Non
     group.add_argument("--mm-prefix-cache-gb", type=float, default=engine.mm_prefix_cache_bytes / 2**30,
                        help="the image prefix cache's memory (least recently used entries go first)")
     group.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache for text prompts off")
+    group.add_argument("--prefix-cache-entries", type=int, default=engine.prefix_cache_entries,
+                       help="prompts each prefix cache keeps: the least recently stored go first, one sent with a "
+                            "cache_control breakpoint only after all others until its TTL ends")
+    group.add_argument("--prefix-cache-gb", type=float, default=engine.prefix_cache_bytes / 2**30,
+                       help="the text prefix cache's memory (within the KV budget: running requests come first)")
 
 
 def _speculative_options(group: Any, serve: ServeConfig, engine: EngineConfig) -> None:
@@ -348,8 +353,10 @@ def _bounds(args: argparse.Namespace) -> str | None:
                                         args.keep_alive_timeout) <= 0:
         return ("--shutdown-timeout must be >= 0; --stream-stall-timeout, --kv-cache-gb, --header-timeout and "
                 "--keep-alive-timeout > 0")
-    if args.vision_cache_mb < 0 or args.mm_prefix_cache_gb < 0 or args.prefix_cache_disk_gb <= 0:
-        return "--vision-cache-mb and --mm-prefix-cache-gb must be >= 0, --prefix-cache-disk-gb > 0"
+    if min(args.vision_cache_mb, args.mm_prefix_cache_gb, args.prefix_cache_gb) < 0 or args.prefix_cache_disk_gb <= 0:
+        return ("--vision-cache-mb, --mm-prefix-cache-gb and --prefix-cache-gb must be >= 0, --prefix-cache-disk-gb > 0")
+    if args.prefix_cache_entries < 1:
+        return "--prefix-cache-entries must be >= 1 (--no-prefix-cache turns the text prefix cache off)"
     if args.kv_group_size not in (32, 64, 128) or args.quantized_kv_start < 0:
         return "--kv-group-size must be 32, 64 or 128 and --quantized-kv-start >= 0"
     limits = args.limit_mm_per_prompt
@@ -395,6 +402,7 @@ def _engine_config(args: argparse.Namespace, template: str | None, speculative: 
         stream_prefill_chunk=args.stream_prefill_chunk, stream_step_share=args.stream_step_share,
         stream_step_share_max=args.stream_step_share_max, join_gate=args.join_gate,
         encoder_budget=args.encoder_budget, max_model_len=args.max_model_len, prefix_cache=not args.no_prefix_cache,
+        prefix_cache_entries=args.prefix_cache_entries, prefix_cache_bytes=int(args.prefix_cache_gb * 2**30),
         dtype=args.dtype, trust_remote_code=args.trust_remote_code, chat_template=template,
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
         vision_cache_bytes=int(args.vision_cache_mb * 2**20), stall_timeout_s=args.stream_stall_timeout,

@@ -66,9 +66,12 @@ def stop_reason(finish: str, last: RequestOutput) -> tuple[str, str | None]:
 
 
 def usage(out: RequestOutput) -> dict[str, int]:
-    """Anthropic counts cached prompt tokens apart from the rest of the input."""
-    return {"input_tokens": out.num_prompt_tokens - out.num_cached_tokens, "output_tokens": out.num_completion_tokens,
-            "cache_read_input_tokens": out.num_cached_tokens, "cache_creation_input_tokens": 0}
+    """Anthropic counts the prompt in three: read from the cache, newly written to it (every prompt the
+    prefix cache keeps, with or without a breakpoint: this server caches on its own), and the rest."""
+    written = out.num_cache_written_tokens
+    return {"input_tokens": out.num_prompt_tokens - out.num_cached_tokens - written,
+            "output_tokens": out.num_completion_tokens, "cache_read_input_tokens": out.num_cached_tokens,
+            "cache_creation_input_tokens": written}
 
 
 class _Blocks:

@@ -6,7 +6,9 @@ result's images follow them in a user message: chat templates take images from u
 the system message, ``tools`` (``input_schema``) function tools, ``tool_choice`` (auto, any, tool,
 none) the chat's, ``stop_sequences`` the stop strings, ``output_config.format`` (a JSON schema) the
 ``response_format`` and ``thinking`` the template's ``enable_thinking``. Earlier ``thinking`` blocks
-are not sent back to the model. ``temperature``, ``top_p`` and ``top_k`` are taken as the API took them
+are not sent back to the model. ``cache_control`` breakpoints (on tools, system blocks, content blocks,
+or the request itself) keep the prompt's cached prefix from eviction for the longest TTL among them
+(``cache_ttl``): the prefix cache keeps whole prompts, each holding every breakpoint's prefix. ``temperature``, ``top_p`` and ``top_k`` are taken as the API took them
 (its SDKs since 2.x send them only through ``extra_body``).
 """
 
@@ -25,7 +27,8 @@ IMAGE_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
 
 
 class MessagesRequest(BaseModel):
-    # cache_control, service_tier, container: nothing to do here; vLLM's sampling extensions: as on chat
+    # service_tier, container: nothing to do here; cache_control (automatic caching): as on a block;
+    # vLLM's sampling extensions: as on chat
     model_config = ConfigDict(extra="allow")
 
     model: str
@@ -69,12 +72,44 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletion
         body.update(max_tokens=req.max_tokens, stream=req.stream, temperature=req.temperature, top_p=req.top_p,
                     top_k=req.top_k, stop=req.stop_sequences)
         body["response_format"] = _format((req.output_config or {}).get("format"))
+        body["cache_ttl"] = cache_ttl(req)
         body.update(extensions(req.model_extra, body))
     if req.tools:
         body["tools"] = [_tool(t, f"tools.{i}") for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
         body["tool_choice"] = _tool_choice(req.tool_choice)
     return chat_request(body)
+
+
+TTLS = {"5m": 300.0, "1h": 3600.0}  # Anthropic's cache_control TTLs, in seconds
+
+
+def cache_ttl(req: MessagesRequest) -> float | None:
+    """The longest TTL of the request's ``cache_control`` breakpoints (None: it has none); one that is not
+    ``{"type": "ephemeral", "ttl": "5m" | "1h"}`` is a 400, as Anthropic's."""
+    marked: list[tuple[str, Any]] = [("cache_control", (req.model_extra or {}).get("cache_control"))]
+    blocks = [(f"tools.{i}", t) for i, t in enumerate(req.tools or [])]
+    blocks += [(f"system.{i}", b) for i, b in enumerate(req.system if isinstance(req.system, list) else [])]
+    for i, message in enumerate(req.messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, block in enumerate(content if isinstance(content, list) else []):
+            inner = block.get("content") if isinstance(block, dict) else None
+            blocks += [(f"messages.{i}.content.{j}", block)]
+            blocks += [(f"messages.{i}.content.{j}.content.{k}", b) for k, b in
+                       enumerate(inner if isinstance(inner, list) else [])]
+    marked += [(f"{where}.cache_control", b.get("cache_control")) for where, b in blocks if isinstance(b, dict)]
+    ttls = [_ttl(control, where) for where, control in marked if control is not None]
+    return max(ttls) if ttls else None
+
+
+def _ttl(control: Any, where: str) -> float:
+    if not isinstance(control, dict) or control.get("type") != "ephemeral":
+        raise bad_request(f"{where}: cache_control is {{\"type\": \"ephemeral\"}}, with an optional ttl",
+                          where, "invalid_value")
+    ttl = control.get("ttl", "5m")
+    if ttl not in TTLS:
+        raise bad_request(f"{where}.ttl: {ttl!r} is not one of 5m, 1h", f"{where}.ttl", "invalid_value")
+    return TTLS[ttl]
 
 
 def _system(system: str | list[dict[str, Any]]) -> str:

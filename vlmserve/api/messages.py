@@ -311,6 +311,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: bo
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             logit_bias=_logit_bias(req.logit_bias or {}, vocab_size),
+            cache_ttl_s=req.cache_ttl or 0.0,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None

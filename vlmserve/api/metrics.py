@@ -25,6 +25,10 @@ _GAUGES = {
     "kv_usage": ("vlmserve_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "Reserved KV cache over the budget (0-1)"),
     "vision_bytes": ("vlmserve_vision_cache_bytes", None, "Bytes of image features in the vision cache"),
     "vision_entries": ("vlmserve_vision_cache_entries", None, "Images whose features the vision cache holds"),
+    "prefix_bytes": ("vlmserve_prefix_cache_bytes", None, "KV bytes the text prefix cache holds"),
+    "prefix_entries": ("vlmserve_prefix_cache_entries", None, "Text prompts whose KV the prefix cache holds"),
+    "prefix_pinned": ("vlmserve_prefix_cache_pinned_entries", None, "Cached prompts (both stores) kept from eviction "
+                      "by a cache_control breakpoint until its TTL ends"),
     "mm_prefix_bytes": ("vlmserve_mm_prefix_cache_bytes", None, "KV bytes the image-keyed prefix cache holds"),
     "mm_prefix_entries": ("vlmserve_mm_prefix_cache_entries", None, "Image prompts whose KV the image-keyed prefix "
                           "cache holds"),
@@ -92,6 +96,8 @@ def _engine_values(engine: Any) -> tuple[dict[str, float], dict[str, float]] | N
     gauges.update(vision_bytes=vision.bytes if vision else 0, vision_entries=vision.entries if vision else 0,
                   mm_prefix_bytes=mm.bytes if mm else 0, mm_prefix_entries=mm.entries if mm else 0)
     stores = [store for store in (prefix, mm) if store is not None]
+    gauges.update(prefix_bytes=prefix.bytes if prefix else 0, prefix_entries=prefix.entries if prefix else 0,
+                  prefix_pinned=sum(store.pinned for store in stores))
     disk = m.disk
     gauges.update(disk_bytes=disk.bytes if disk else 0, disk_entries=disk.entries if disk else 0,
                   disk_writes_pending=disk.writes_pending if disk else 0)

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+MAX_CACHE_TTL_S = 3600.0
 SEED_MAX = 2**64 - 1  # what the sampler's random key takes
 CONTENT_PART_TYPES = ("text", "image_url", "video_url")
 
@@ -138,6 +139,9 @@ class SamplingFields(_Lenient):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(default=0, ge=0)
+    # vlmserve's: keep this prompt's cached prefix from eviction this many seconds (how the Messages API's
+    # cache_control breakpoints reach the engine; at most Anthropic's longest TTL, an hour)
+    cache_ttl: float | None = Field(default=None, gt=0, le=MAX_CACHE_TTL_S)
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -142,11 +142,12 @@ class EngineCaches:
             if store.tier is not None:
                 store.tier.prefetch(store.marker, key)
 
-    def store_prefix(self, prompt: PromptInputs, cache: list[Any], length: int | None = None) -> None:
-        """Keep ``cache``, the prompt's first ``length`` positions (None: all of them)."""
+    def store_prefix(self, prompt: PromptInputs, cache: list[Any], length: int | None = None, ttl: float = 0.0) -> None:
+        """Keep ``cache``, the prompt's first ``length`` positions (None: all of them), pinned for ``ttl``
+        seconds (the request's ``cache_ttl_s``)."""
         store, key = self._keyed(prompt)
         if store is not None and key is not None:
-            store.store(key if length is None else key[:length], cache)
+            store.store(key if length is None else key[:length], cache, ttl)
 
     def held_bytes(self) -> int:
         """The KV the prefix stores hold (counted against the KV budget, with the running requests')."""

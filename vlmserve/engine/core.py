@@ -313,7 +313,7 @@ class EngineCore:
             StepOutput(p.request_id, tuple(p.tokens), tuple(p.logprobs), p.finish.value if p.finish else None,
                        p.error, p.req.num_prompt_tokens if p.req else 0, p.req.num_cached_tokens if p.req else 0,
                        self.metrics.steps, p.prompt_logprobs, *(p.req.prediction_usage if p.req else (0, 0)),
-                       p.stop_logprob)
+                       p.stop_logprob, p.req.num_stored_tokens if p.req else 0)
             for p in self._pending.values()
         )
         self._pending.clear()

@@ -48,6 +48,8 @@ class SamplingParams:
     # OpenAI's Predicted Outputs: the tokens the client expects the output to be, or to be close to;
     # verified as drafts (engine/speculative.py), so the output is what it would be without them
     prediction: tuple[int, ...] = field(default=(), repr=False)
+    # Anthropic's cache_control: the prompt's stored prefix is kept from eviction this many seconds (0: not)
+    cache_ttl_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

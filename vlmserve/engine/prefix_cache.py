@@ -10,6 +10,7 @@ every image's content hash (``engine/caches.py``).
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ class PrefixCacheStats:
     budget_evictions: int = 0  # entries dropped to give the KV budget to running requests
     disk_hits: int = 0  # lookups served from the disk tier (counted in hits too)
     disk_hit_tokens: int = 0
+    pinned: int = 0  # entries kept from eviction until their TTL ends (Anthropic's cache_control)
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,10 +62,19 @@ class Reuse:
 
 class PrefixCache:
     """An LRU of per-request KV caches bounded in entries and bytes (mlx-lm's trie-backed LRU); with a
-    disk tier, what it evicts goes to disk under this store's ``marker`` and is looked up there too."""
+    disk tier, what it evicts goes to disk under this store's ``marker`` and is looked up there too.
 
-    def __init__(self, max_entries: int, max_bytes: int, tier: DiskTier | None = None, marker: int = 0) -> None:
+    An entry stored with a TTL (a request's ``cache_control`` breakpoints) is pinned until it ends: the
+    bounds and the KV budget evict every unpinned entry first, then pinned ones, the soonest to expire
+    first (running requests still win over pins). A longer entry that replaces a pinned prefix of its own
+    (a trimmable cache keeps only the longest) inherits the pin: it still serves that prefix."""
+
+    def __init__(self, max_entries: int, max_bytes: int, tier: DiskTier | None = None, marker: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._lru = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
+        self._pins: dict[tuple[int, ...], float] = {}  # an entry's tokens -> when its pin ends (clock's time)
+        self._clock = clock
+        self._lru._lru = _PinnedOrder(self._pins, clock)
         self.tier, self.marker = tier, marker
         if tier is not None:  # every entry the LRU lets go of (its bounds, the KV budget) passes through pop
             self._lru._trie = _SpillingTrie(lambda tokens, cache: tier.spill(marker, tokens, cache))
@@ -123,10 +134,25 @@ class PrefixCache:
             return Reuse(trie.get(found.model, found.shorter).prompt_cache, shorter)
         return None
 
-    def store(self, tokens: list[int], cache: list[Any]) -> None:
-        """Keep a finished prefill's KV, compacted (``compact``); the caller must not mutate ``cache``
-        afterwards."""
+    def store(self, tokens: list[int], cache: list[Any], ttl: float = 0.0) -> None:
+        """Keep a finished prefill's KV, compacted (``compact``), pinned for ``ttl`` seconds (0: not); the
+        caller must not mutate ``cache`` afterwards."""
+        key, now = tuple(tokens), self._clock()
+        until = max([now + ttl if ttl > 0 else 0.0, *self._absorbed(key, cache, now)])
+        if until > now:  # before the insert: its bounds must not evict the new entry as unpinned
+            self._pins[key] = max(until, self._pins.get(key, 0.0))
         self._lru.insert_cache(_KEY, list(tokens), compact(cache))
+
+    def _absorbed(self, key: tuple[int, ...], cache: list[Any], now: float) -> list[float]:
+        """The pins of the stored prefixes of ``key`` that storing it drops (a trimmable cache keeps only
+        the longest entry of a path): their ends, now the new entry's."""
+        for pinned, until in list(self._pins.items()):
+            if until <= now:
+                del self._pins[pinned]
+        if not can_trim_prompt_cache(cache):
+            return []
+        shorter = [p for p in self._pins if len(p) < len(key) and key[:len(p)] == p]
+        return [self._pins.pop(p) for p in shorter]
 
     def spill_all(self) -> None:
         """Every entry to the disk tier (a clean shutdown's)."""
@@ -146,8 +172,32 @@ class PrefixCache:
         return before - self.nbytes
 
     def stats(self) -> PrefixCacheStats:
+        now = self._clock()
         return PrefixCacheStats(len(self._lru), self.nbytes, self.hits, self.misses, self.hit_tokens,
-                                self.query_tokens, self.budget_evictions, self.disk_hits, self.disk_hit_tokens)
+                                self.query_tokens, self.budget_evictions, self.disk_hits, self.disk_hit_tokens,
+                                sum(until > now for until in self._pins.values()))
+
+
+class _PinnedOrder(LRUPromptCache.CacheOrder):
+    """mlx-lm's eviction order, pins first: the least recently stored unpinned entry goes first; when
+    every entry is pinned, the one whose pin ends soonest. An evicted entry's pin goes with it."""
+
+    def __init__(self, pins: dict[tuple[int, ...], float], clock: Callable[[], float]) -> None:
+        super().__init__()
+        self._pins, self._clock = pins, clock
+
+    def pop(self) -> tuple[Any, list[int]]:
+        now = self._clock()
+        live = {key: until for key, until in self._pins.items() if until > now}
+        if not live:  # nothing pinned: mlx-lm's own order
+            model, tokens = super().pop()  # type: ignore[no-untyped-call]
+        else:
+            entries = [entry for lru in self._lrus.values() for entry in lru]
+            free = [e for e in entries if tuple(e[1]) not in live]
+            model, tokens = free[0] if free else min(entries, key=lambda e: live[tuple(e[1])])
+            self.remove(model, tokens)
+        self._pins.pop(tuple(tokens), None)
+        return model, tokens
 
 
 class _SpillingTrie(PromptTrie):

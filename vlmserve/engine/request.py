@@ -50,6 +50,7 @@ class StepOutput:
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
     stop_logprob: Any = None  # the stop token that ended it (not among ``token_ids``): its logprob, when asked
+    num_stored_tokens: int = 0  # its prompt's first positions kept in a prefix cache (0: none)
 
 
 @dataclass(slots=True)
@@ -125,6 +126,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    num_stored_tokens: int = 0  # how much of its prompt it keeps in a prefix cache (0: none, or not yet)
     # A prompt that cannot be split by tokens is split by layers: the language model's layers its
     # prompt has been through (0 when none, or when it goes by tokens).
     num_computed_layers: int = 0

@@ -282,7 +282,7 @@ class ModelRunner:
         if chunk.end < embedded.inputs_embeds.shape[1]:
             mx.eval([c.state for c in row.cache], drafted)
             if chunk.store_prefix:  # a snapshot at the prompt's stem: the prefill goes on in the row's own
-                self.caches.store_prefix(row.prompt, copy.deepcopy(row.cache), chunk.end)
+                self.caches.store_prefix(row.prompt, copy.deepcopy(row.cache), chunk.end, row.params.cache_ttl_s)
             return
         mx.eval(logits, [c.state for c in row.cache], embedded.row_state, drafted)
         forks = [row.forks[f] for f in chunk.forks]
@@ -293,7 +293,7 @@ class ModelRunner:
                 firsts[0] = replace(firsts[0], prompt_logprobs=tuple(row.prompt_logprobs))
             out.samples.update(zip(ids, firsts))
         if chunk.store_prefix:
-            self.caches.store_prefix(row.prompt, row.cache)
+            self.caches.store_prefix(row.prompt, row.cache, ttl=row.params.cache_ttl_s)
         rows = 1 + len(forks)  # n > 1: the prompt's KV and state copied into a row per fork
         row_state = {k: mx.concatenate([v] * rows) if rows > 1 else v for k, v in embedded.row_state.items()}
         inputs = self._inputs(firsts, rows)
@@ -362,7 +362,7 @@ class ModelRunner:
         for i, chunk in enumerate(chunks):
             if chunk.store_prefix:  # a row of the batch serves a later prompt as if it had been alone
                 self.caches.store_prefix(rows[i].prompt, [c.extract(request_ids.index(chunk.request_id))
-                                                                    for c in cache])
+                                                                    for c in cache], ttl=rows[i].params.cache_ttl_s)
         inputs, draft = self._inputs(firsts, len(rows)), None
         if states:
             draft = self._mtp().first([cast(DraftRows, r.draft) for r in rows], [[t] for t in inputs])

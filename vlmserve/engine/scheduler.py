@@ -418,15 +418,23 @@ class Scheduler:
         budgets.layer_split_busy = True
         budgets.spend(-(-(end - start) * (layers[1] - layers[0]) // self.config.num_layers))
         last = None if layers[1] >= self.config.num_layers else layers[1]
-        return PrefillChunk(req.request_id, start, end, layers[0], last,
-                            store_prefix=last is None and self._prefix_cacheable(req) and not self.config.snapshots,
+        stores = self._stores(req, end, last is None and self._prefix_cacheable(req) and not self.config.snapshots)
+        return PrefillChunk(req.request_id, start, end, layers[0], last, store_prefix=stores,
                             forks=self._forks(req) if last is None else (), hold=last is None and self._holds(req))
 
     def _tokens_chunk(self, req: Request, start: int, end: int) -> PrefillChunk:
         ends = end == req.num_prompt_tokens
         stores = end == self._stem(req) if self.config.snapshots else ends and self._prefix_cacheable(req)
-        return PrefillChunk(req.request_id, start, end, store_prefix=stores, forks=self._forks(req) if ends else (),
-                            hold=ends and self._holds(req))
+        return PrefillChunk(req.request_id, start, end, store_prefix=self._stores(req, end, stores),
+                            forks=self._forks(req) if ends else (), hold=ends and self._holds(req))
+
+    @staticmethod
+    def _stores(req: Request, end: int, stores: bool) -> bool:
+        """Whether the chunk ending at ``end`` stores ``req``'s prefix; if so, how far, on the request (what
+        it newly wrote to the cache is reported: Anthropic's cache_creation_input_tokens)."""
+        if stores:
+            req.num_stored_tokens = min(end, len(req.prompt))
+        return stores
 
     def _stem(self, req: Request) -> int | None:
         """Where the snapshot of ``req``'s cache is taken, if one is still to be (``snapshots``): its

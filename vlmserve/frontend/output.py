@@ -31,6 +31,12 @@ class RequestOutput:
     accepted_prediction_tokens: int = 0  # OpenAI's prediction: its drafted tokens the output kept so far
     rejected_prediction_tokens: int = 0  # and those it did not
     stop_logprob: Any = None  # the stop token that ended it, not output: its logprob (vLLM lists it), when asked
+    num_stored_tokens: int = 0  # its prompt's first positions the engine kept in a prefix cache
+
+    @property
+    def num_cache_written_tokens(self) -> int:
+        """Prompt tokens newly written to a prefix cache (Anthropic's cache_creation_input_tokens)."""
+        return max(0, self.num_stored_tokens - self.num_cached_tokens)
 
     @property
     def finished(self) -> bool:
@@ -63,7 +69,7 @@ class OutputProcessor:
             out.request_id, text, out.token_ids, out.logprobs, finish or out.finish_reason,
             out.num_prompt_tokens, self.num_completion_tokens, out.num_cached_tokens, out.error, out.step,
             out.prompt_logprobs, self.stop_string if finish else None, out.accepted_prediction_tokens,
-            out.rejected_prediction_tokens, out.stop_logprob,
+            out.rejected_prediction_tokens, out.stop_logprob, out.num_stored_tokens,
         )
 
     @classmethod
