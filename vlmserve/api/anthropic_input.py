@@ -8,8 +8,9 @@ none) the chat's, ``stop_sequences`` the stop strings, ``output_config.format`` 
 ``response_format`` and ``thinking`` the template's ``enable_thinking``. Earlier ``thinking`` blocks
 are not sent back to the model. ``cache_control`` breakpoints (on tools, system blocks, content blocks,
 or the request itself) keep the prompt's cached prefix from eviction for the longest TTL among them
-(``cache_ttl``): the prefix cache keeps whole prompts, each holding every breakpoint's prefix. ``temperature``, ``top_p`` and ``top_k`` are taken as the API took them
-(its SDKs since 2.x send them only through ``extra_body``).
+(``cache_ttl``): the prefix cache keeps whole prompts, each holding every breakpoint's prefix.
+``temperature``, ``top_p`` and ``top_k`` are taken as the API took them (its SDKs since 2.x send them
+only through ``extra_body``).
 """
 
 from __future__ import annotations
