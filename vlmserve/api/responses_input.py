@@ -2,9 +2,15 @@
 
 Input items map one to one: messages with ``input_text``/``input_image``/``output_text`` parts,
 ``function_call`` items (the assistant's earlier calls) and ``function_call_output`` items (their
-results); ``instructions`` become the system message, function tools the chat tools, and
-``text.format`` the ``response_format``. Nothing is stored server-side: a request carries its
-whole conversation (``store: true`` and ``previous_response_id`` are refused).
+results: a string, or ``input_text``/``input_image`` parts, whose images follow in a user message, as
+the Messages API does with a tool result's); ``instructions`` and the system or developer items right
+after them become one system message (templates such as Qwen3.5's refuse a second one, and Codex sends
+its permissions as a developer item), function tools the chat tools, ``text.format`` the
+``response_format``, and ``reasoning.effort: "none"`` the template's ``enable_thinking: false``.
+Earlier ``reasoning`` items are not sent back to the model; ``include``, ``prompt_cache_key`` and
+``text.verbosity`` need nothing here (the prefix cache finds a conversation by its tokens). Nothing is
+stored server-side: a request carries its whole conversation (``store: true`` and
+``previous_response_id`` are refused).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    reasoning: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -50,9 +57,9 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     for i, item in enumerate(items):
         _add_item(messages, item, f"input.{i}")
-    body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream,
+    body: dict[str, Any] = {"model": req.model, "messages": _one_system_message(messages), "stream": req.stream,
                             "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                            "chat_template_kwargs": req.chat_template_kwargs}
+                            "chat_template_kwargs": _template_kwargs(req.reasoning, req.chat_template_kwargs)}
     body.update(extensions(req.model_extra, body))
     if req.tools:
         body["tools"] = [_tool(t, f"tools.{i}") for i, t in enumerate(req.tools)]
@@ -81,12 +88,55 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
     elif kind == "function_call_output":
-        output = item.get("output")
-        text = output if isinstance(output, str) else "".join(p.get("text", "") for p in output or [])
-        messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        _add_output(messages, item, f"{where}.output")
     elif kind != "reasoning":  # earlier reasoning is not sent back to the model
         raise bad_request(f"{where}: input items of type {kind!r} are not supported (message, function_call, "
                           "function_call_output)", where, "unsupported_value")
+
+
+def _add_output(messages: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
+    """A call's result as a tool message, and its images in the user message after the results of the
+    turn's calls (chat templates take images from users only)."""
+    output = item.get("output") or ""
+    if not isinstance(output, (str, list)):
+        raise bad_request(f"{where}: a function_call_output's output is a string or a list of input_text and "
+                          "input_image parts", where, "invalid_value")
+    parts = [{"type": "text", "text": output}] if isinstance(output, str) else _content(output, where)
+    text = "".join(p["text"] for p in parts if p["type"] == "text")
+    images = [p for p in parts if p["type"] != "text"]
+    tool = {"role": "tool", "tool_call_id": item.get("call_id"), "content": text}
+    if _holds_output_images(messages):  # an earlier result's images: this result goes before them
+        messages.insert(len(messages) - 1, tool)
+        messages[-1]["content"] += images
+    else:
+        messages += [tool, {"role": "user", "content": images}] if images else [tool]
+
+
+def _holds_output_images(messages: list[dict[str, Any]]) -> bool:
+    """Whether the last message is the images of the tool results before it."""
+    if len(messages) < 2 or messages[-1]["role"] != "user" or messages[-2]["role"] != "tool":
+        return False
+    content = messages[-1]["content"]
+    return isinstance(content, list) and all(p.get("type") == "image_url" for p in content)
+
+
+def _one_system_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The instructions and the system or developer items that open the input, as one system message."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
+        lead += 1
+    contents = [m["content"] for m in messages[:lead]]
+    if lead < 2 or any(p.get("type") != "text" for c in contents if not isinstance(c, str) for p in c):
+        return messages  # one message, or an image in one: the chat request says what is wrong with it
+    texts = [c if isinstance(c, str) else "".join(p["text"] for p in c) for c in contents]
+    return [{"role": "system", "content": "\n\n".join(t for t in texts if t)}, *messages[lead:]]
+
+
+def _template_kwargs(reasoning: dict[str, Any] | None, given: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``reasoning.effort: "none"`` as the templates that reason take it; any other effort: the model's default."""
+    if (reasoning or {}).get("effort") != "none":
+        return given
+    return {"enable_thinking": False, **(given or {})}
 
 
 def _content(content: Any, where: str) -> Any:

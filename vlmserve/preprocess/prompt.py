@@ -140,7 +140,14 @@ def encode(processor: Any, text: str, images: Sequence[Image.Image] = (),
 
 
 # The history the next turn renders: this prompt's messages, a reply and a question (placeholders)
-NEXT_TURN = ({"role": "assistant", "content": "vlmserve next reply"}, {"role": "user", "content": "vlmserve next turn"})
+NEXT_TURN: tuple[dict[str, Any], ...] = (
+    {"role": "assistant", "content": "vlmserve next reply"}, {"role": "user", "content": "vlmserve next turn"})
+# After a tool's result, an agent's next turn is a call and its result: were it a question, Qwen3.5's template
+# would re-render without their think blocks the replies since the last question, and the stem would end there
+_CALL = {"id": "vlmservenext", "type": "function", "function": {"name": "vlmserve_next", "arguments": {}}}
+NEXT_CALL: tuple[dict[str, Any], ...] = (
+    {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+    {"role": "tool", "tool_call_id": "vlmservenext", "name": "vlmserve_next", "content": "vlmserve next result"})
 
 
 def _stem(processor: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
@@ -151,9 +158,8 @@ def _stem(processor: Any, messages: Sequence[dict[str, Any]], tools: Sequence[di
     the rest of ``text`` tokenizes on its own to the tokens that end ``ids``. A prompt the history
     repeats whole keeps its last token out (it may merge with the reply's first characters). None where
     the template renders neither way."""
-    try:
-        history = render_chat(processor, [*messages, *NEXT_TURN], tools, False, template_kwargs, videos)
-    except PromptError:  # a template that refuses the placeholder turns: no snapshot, the request goes on
+    history = _next_history(processor, messages, tools, template_kwargs, videos)
+    if history is None:  # a template that refuses the placeholder turns: no snapshot, the request goes on
         return None
     shared = len(os.path.commonprefix([text, history]))
     if shared == len(text):
@@ -162,6 +168,19 @@ def _stem(processor: Any, messages: Sequence[dict[str, Any]], tools: Sequence[di
     if not rest or len(rest) >= len(ids) or ids[-len(rest):] != rest:
         return None
     return len(ids) - len(rest)
+
+
+def _next_history(processor: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+                  template_kwargs: Mapping[str, Any] | None, videos: bool) -> str | None:
+    """The history as the next turn likely renders it: a call and its result after a tool's result (a
+    template that refuses those placeholders: a reply and a question), else a reply and a question."""
+    turns = [NEXT_CALL, NEXT_TURN] if messages and messages[-1]["role"] == "tool" else [NEXT_TURN]
+    for turn in turns:
+        try:
+            return render_chat(processor, [*messages, *turn], tools, False, template_kwargs, videos)
+        except PromptError:
+            continue
+    return None
 
 
 def _without_doubled_bos(tokenizer: Any, text: str) -> str:
