@@ -1,6 +1,7 @@
 """Anthropic's ``cache_control`` breakpoints on a real server, through the ``anthropic`` SDK: a session's prompt
 sent with one survives a burst of other long prompts in a small prefix cache, and without one it does not;
-``cache_creation_input_tokens`` counts what a request newly stored; a malformed breakpoint is Anthropic's 400."""
+``cache_creation_input_tokens`` counts what a request newly stored; a malformed breakpoint is Anthropic's 400.
+A forced tool call's prompt is the one ``auto`` renders, so an agent's forced turn reuses its session too."""
 
 from __future__ import annotations
 
@@ -112,3 +113,22 @@ def test_the_chat_api_takes_cache_ttl_in_seconds(server, claude, model):
     for bad in (0, 7200):
         with pytest.raises(openai.BadRequestError, match="cache_ttl"):
             client.chat.completions.create(model=model, max_tokens=2, messages=messages, extra_body={"cache_ttl": bad})
+
+
+def test_a_forced_tool_call_reuses_the_sessions_cached_prompt(server, model):
+    """Where a grammar forces the call (the model has a tool parser), a forced turn's prompt is the one
+    ``auto`` renders: every tool, no instruction line. An agent's forced turn then reuses its session."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": f"Tool {i}.", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}} for i in range(4)]
+    messages = [{"role": "system", "content": "Forced session. " * 30}, {"role": "user", "content": "Open a file."}]
+    # pinned: the earlier tests' pins fill this small cache, where an unpinned prompt would go at once
+    auto = client.chat.completions.create(model=model, max_tokens=2, messages=messages, tools=tools,
+                                          extra_body={"cache_ttl": 3600})
+    for choice in ("required", {"type": "function", "function": {"name": "tool_2"}}):
+        r = client.chat.completions.create(model=model, max_tokens=2, messages=messages, tools=tools,
+                                           tool_choice=choice)
+        assert r.usage.prompt_tokens == auto.usage.prompt_tokens
+        assert r.usage.prompt_tokens_details.cached_tokens == auto.usage.prompt_tokens - 1

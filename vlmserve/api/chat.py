@@ -64,7 +64,8 @@ def chat_input(req: ChatCompletionRequest, state: ServerState, served: ServedMod
     """A chat request as phase 1 takes it, under the server's media policy; media the model cannot
     take is a 400 naming the model, before anything is fetched or decoded."""
     engine = served.engine
-    chat = to_chat_input(req, state.media, state.config.default_chat_template_kwargs, engine.info.max_pixels)
+    chat = to_chat_input(req, state.media, state.config.default_chat_template_kwargs, engine.info.max_pixels,
+                         served.tool_parser)
     refused = engine.media_refusal(len(chat.image_urls), len(chat.video_urls))
     if refused is not None:
         raise bad_request(refused, "messages", "unsupported_media")

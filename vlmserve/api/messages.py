@@ -135,7 +135,10 @@ def video_sampling(given: Mapping[str, int | float] | None, server: VideoSamplin
 
 def to_chat_input(req: ChatCompletionRequest, media: MediaPolicy,
                   default_template_kwargs: Mapping[str, Any] | None = None,
-                  model_max_pixels: int | None = None) -> ChatInput:
+                  model_max_pixels: int | None = None, tool_format: str | None = None) -> ChatInput:
+    """``tool_format``: the model's tool-call syntax, where a grammar can force a call in it (then a forced
+    call's prompt is the one ``auto`` would have: every tool, no instruction, so an agent's forced turn
+    reuses its session's cached prompt)."""
     _check_structures(req)
     urls: list[str] = []
     details: list[str | None] = []
@@ -148,7 +151,8 @@ def to_chat_input(req: ChatCompletionRequest, media: MediaPolicy,
         if count > most:
             raise bad_request(f"messages: {count} {kind} is over the limit of {most} per request (the server's "
                               f"--limit-mm-per-prompt)", "messages", f"too_many_{kind}")
-    return ChatInput(messages, urls, _tools_for_template(req), _instructions(req),
+    enforced = tool_format is not None and _forced(req)
+    return ChatInput(messages, urls, _tools_for_template(req, every=enforced), _instructions(req, enforced),
                      template_kwargs(default_template_kwargs or {}, req.chat_template_kwargs),
                      image_kwargs(req.mm_processor_kwargs, model_max_pixels, req.model), details, videos,
                      video_sampling(req.mm_processor_kwargs, media.video_sampling),
@@ -203,8 +207,7 @@ def _check_structures(req: ChatCompletionRequest) -> None:
         check_json(tool.function.parameters, f"tools.{i}.function.parameters")
     if req.response_format is not None and req.response_format.json_schema is not None:
         check_json(req.response_format.json_schema, "response_format.json_schema")
-    forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
-    if forced and not req.tools:
+    if _forced(req) and not req.tools:
         raise bad_request("tool_choice requires tools, and none were given", "tool_choice", "missing_tools")
 
 
@@ -224,24 +227,30 @@ def _tool_call_names(messages: list[Message]) -> dict[str, str]:
     return {tc.id: tc.function.name for m in messages for tc in (m.tool_calls or []) if tc.id}
 
 
-def _tools_for_template(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+def _forced(req: ChatCompletionRequest) -> bool:
+    return req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+
+
+def _tools_for_template(req: ChatCompletionRequest, every: bool = False) -> list[dict[str, Any]] | None:
+    """The tools the prompt (or a forced call's grammar) offers: the named one only, unless ``every``."""
     if not req.tools or req.tool_choice == "none":
         return None
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     if isinstance(req.tool_choice, NamedToolChoice):
-        tools = [t for t in tools if t["function"]["name"] == req.tool_choice.function.name]
-        if not tools:
+        named = [t for t in tools if t["function"]["name"] == req.tool_choice.function.name]
+        if not named:
             raise bad_request(f"tool_choice names {req.tool_choice.function.name!r}, which is not in tools", "tool_choice")
+        tools = tools if every else named
     return tools
 
 
-def _instructions(req: ChatCompletionRequest) -> str:
+def _instructions(req: ChatCompletionRequest, enforced: bool = False) -> str:
     lines = []
     if req.response_format is not None and req.response_format.type in ("json_object", "json_schema"):
         lines.append(JSON_INSTRUCTION)
         if req.response_format.json_schema:
             lines.append("The JSON must match this schema: " + json.dumps(req.response_format.json_schema))
-    if req.tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)):
+    if req.tools and _forced(req) and not enforced:  # a grammar that forces the call needs no words
         lines.append(REQUIRED_TOOL_INSTRUCTION)
     return " ".join(lines)
 
@@ -249,8 +258,7 @@ def _instructions(req: ChatCompletionRequest) -> str:
 def guide_spec(req: ChatCompletionRequest, tool_format: str | None) -> tuple[GuideSpec, str] | None:
     """What to constrain the output to, and the parameter that asked: a forced tool call first, then
     ``structured_outputs``, then ``response_format``."""
-    forced = req.tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
-    if forced and tool_format:
+    if req.tools and _forced(req) and tool_format:
         return GuideSpec("tool_call", {"format": tool_format, "tools": _tools_for_template(req)}), "tool_choice"
     so = req.structured_outputs
     if so is not None:
