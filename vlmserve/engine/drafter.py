@@ -84,7 +84,7 @@ class Drafter:
         model.set_dtype(lm.model.norm.weight.dtype)  # the target's serving dtype (quantized or not: its norm's)
         model.reset(target)  # binds it: the target's embedding table (and head) are its own
         if model_type == "qwen3_5_mtp":
-            return MtpDrafter(model, lm)
+            return MtpDrafter(model, adapter)
         sources: dict[str, int] = {}
         for i, layer in enumerate(lm.model.layers):  # the last layer of each type; a KV-shared one reads its source's
             sources[layer.layer_type] = lm.model.previous_kvs[i]

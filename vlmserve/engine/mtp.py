@@ -5,9 +5,10 @@ The drafter reads pairs: at position ``p``, the embedding of token ``p + 1`` and
 pair, so every position a row has must pass through it once, prompt included (mlx-vlm's
 ``prefill_from_target_hidden``):
 
-- **prompt:** each prefill chunk's hidden states are recorded at the target's final norm (``NormTap``)
-  and run through the drafter with the prompt's next tokens; the last position waits for the first
-  sampled token (``first``). A prompt that reuses a cached prefix gives the drafter its own part only;
+- **prompt:** each prefill chunk's hidden states are recorded as each target forward returns them (the
+  adapter's ``hidden_sink``: mlx-vlm's ``return_hidden``) and run through the drafter with the prompt's
+  next tokens; the last position waits for the first sampled token (``first``). A prompt that reuses a
+  cached prefix gives the drafter its own part only;
 - **decode and verify:** each target forward leaves every row's kept positions with the tokens kept
   there (``after_decode``, ``after_verify``: a verify keeps ``a + 1``, ragged). They go through the
   drafter when the next step drafts, before it drafts; a step that does not draft drops them, so a
@@ -34,26 +35,9 @@ import mlx.nn as nn
 
 if TYPE_CHECKING:
     from vlmserve.engine.batch import DecodeBatch
+    from vlmserve.engine.models import ModelAdapter
 
 GROW = 256  # columns the buffers grow by (mlx-lm's KVCache step)
-
-
-class NormTap:
-    """Stands in for the target's final norm: records its output (``[B, L, H]``) while ``sink`` is a list."""
-
-    sink: list[mx.array] | None
-
-    def __init__(self, norm: nn.Module) -> None:
-        self.__dict__.update(norm=norm, sink=None)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.norm, name)
-
-    def __call__(self, h: mx.array) -> mx.array:
-        out = cast(mx.array, self.norm(h))
-        if self.sink is not None:
-            self.sink.append(out)
-        return out
 
 
 @dataclass(slots=True)
@@ -197,23 +181,23 @@ class MtpDrafter:
 
     reads_prompt = True  # its KV needs every position's hidden state, the prompt's included
 
-    def __init__(self, model: nn.Module, target: nn.Module) -> None:
+    def __init__(self, model: nn.Module, adapter: ModelAdapter) -> None:
         self.model: Any = model
-        text = target.model
-        self.tap = text.norm if isinstance(text.norm, NormTap) else NormTap(text.norm)
-        object.__setattr__(text, "norm", self.tap)  # an attribute before the module's own entry (its weights stay)
+        self.adapter = adapter  # the target's: its forwards record their hidden states while asked
 
     # -- the target's hidden states -------------------------------------------------
 
     def hidden_sink(self, row_state: dict[str, mx.array]) -> tuple[dict[str, Any], list[mx.array]]:
         """Record the next target forwards' final hidden states (in the list returned) until ``recorded``."""
         sink: list[mx.array] = []
-        self.tap.sink = sink
+        self.adapter.hidden_sink = sink
         return row_state, sink
 
     def recorded(self, sink: list[mx.array]) -> mx.array:
-        """The recorded hidden states, ``[B, L, H]`` (several forwards' side by side); stops recording."""
-        self.tap.sink = None
+        """The recorded hidden states, ``[B, L, H]`` (several forwards of the same rows, side by side);
+        stops recording."""
+        self.adapter.hidden_sink = None
+        assert len({h.shape[0] for h in sink}) == 1, f"forwards of different rows: {[h.shape for h in sink]}"
         return sink[0] if len(sink) == 1 else mx.concatenate(sink, axis=1)
 
     # -- prompts --------------------------------------------------------------------

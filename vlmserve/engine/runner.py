@@ -375,12 +375,11 @@ class ModelRunner:
         if self.drafter is None or not self.drafter.reads_prompt:
             yield []
             return
-        mtp = self._mtp()
-        states = mtp.hidden_sink({})[1]
+        states = self._mtp().hidden_sink({})[1]
         try:
             yield states
         finally:
-            mtp.tap.sink = None
+            self.adapter.hidden_sink = None  # read or not, the forwards after these record nothing
 
     def _mtp(self) -> MtpDrafter:
         assert isinstance(self.drafter, MtpDrafter)

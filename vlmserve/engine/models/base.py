@@ -95,6 +95,8 @@ class ModelAdapter:
         self.span_token_ids: frozenset[int] = frozenset()
         # Quantized KV (--kv-bits; engine/kv_quant.py), set by the loader where the family allows it
         self.kv_quant: KVQuant | None = None
+        # While a drafter reads the target's hidden states (engine/mtp.py): each forward's, in order
+        self.hidden_sink: list[mx.array] | None = None
 
     @property
     def mm_prefix_exact(self) -> bool:
@@ -218,7 +220,7 @@ class ModelAdapter:
         ``[1, vocab]``, or with ``every_position`` each position's ``[end - start, vocab]``."""
         # Gemma 4 computes the head for the last position only with logits_to_keep=1; others ignore it
         keep = {} if every_position else {"logits_to_keep": 1}
-        out = self.language_model(
+        out = self._forward(
             input_ids[:, start:end],
             inputs_embeds=embedded.inputs_embeds[:, start:end],
             cache=cache,
@@ -228,6 +230,16 @@ class ModelAdapter:
         self.settle(cache)
         logits: mx.array = out.logits[0] if every_position else out.logits[:, -1, :]
         return logits
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The language model's forward; while ``hidden_sink`` is a list, its final hidden states ``[B, L, H]``
+        go there, as mlx-vlm hands them to its own MTP drafter (``return_hidden``: the text model's output,
+        whichever way it ran: Qwen3.5's runs each row of a left-padded batch on its own, its norm once per row)."""
+        if self.hidden_sink is None:
+            return self.language_model(*args, **kwargs)
+        out = self.language_model(*args, return_hidden=True, **kwargs)
+        self.hidden_sink.append(out.hidden_states[-1])
+        return out
 
     def settle(self, cache: list[Any]) -> None:
         """After a forward: with quantized KV on, pack each layer that now holds enough positions."""
@@ -306,15 +318,15 @@ class ModelAdapter:
         window = {k: _slice_sequence_aligned_prompt_kwarg(k, v, start, end)
                   if isinstance(v, mx.array) and _is_sequence_aligned_prompt_kwarg(k, v, width) else v
                   for k, v in kwargs.items()}
-        out = self.language_model(ids[:, start:end], inputs_embeds=embeds[:, start:end], cache=cache,
-                                  logits_to_keep=1, **window)
+        out = self._forward(ids[:, start:end], inputs_embeds=embeds[:, start:end], cache=cache, logits_to_keep=1,
+                            **window)
         self.settle(cache)
         logits: mx.array = out.logits[:, -1, :]
         return logits
 
     def decode(self, tokens: mx.array, cache: list[Any], row_state: dict[str, mx.array]) -> mx.array:
         """One token per batch row (``tokens``: ``[B, 1]``); returns logits ``[B, vocab]``."""
-        out = self.language_model(tokens, cache=cache, **row_state)
+        out = self._forward(tokens, cache=cache, **row_state)
         logits: mx.array = out.logits[:, -1, :]
         return logits
 
@@ -324,7 +336,7 @@ class ModelAdapter:
         transaction, for ``commit``."""
         lm = self.language_model
         if self.exact_verifier:  # the family's own exact verifier (Qwen3.5's, LFM2's): recurrent state kept
-            out = lm(tokens, cache=cache, speculative_verify=True, **row_state)
+            out = self._forward(tokens, cache=cache, speculative_verify=True, **row_state)
             transaction = out.gdn_states
         else:
             out, transaction = verify_forward(lm, tokens, cache, **row_state)  # type: ignore[no-untyped-call]
