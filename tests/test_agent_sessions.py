@@ -378,18 +378,36 @@ def test_a_function_call_output_image_reaches_the_model(image_family):
     assert r_after.usage.input_tokens_details.cached_tokens >= r_inside.usage.input_tokens - 2  # the image too
 
 
-# Known: Qwen3.5's template keeps the think blocks of the replies since the last user turn, and a tool
-# result's images go in a user turn (templates take images from users), so a screenshot after the first
-# tool result re-renders every earlier reply without them: that turn reuses the system prompt and the task
-LATER_SHOT = pytest.mark.xfail(strict=True, reason="a later screenshot re-renders Qwen3.5's earlier replies")
+@pytest.mark.parametrize("server", ["image_family", "reasoning_family_images"])
+def test_a_chat_tool_message_with_an_image_is_the_function_call_outputs_prompt(request, server):
+    """A chat ``tool`` message whose content holds image parts (some clients send them) takes the
+    function_call_output's path: the same prompt, found cached, the image's tokens among it."""
+    server = request.getfixturevalue(server)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    url = f"data:image/png;base64,{SCREENSHOT}"
+    items = [_message("user", TASK), {"type": "function_call", "name": "view_image", "arguments": "{}", "call_id": "c1"},
+             {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "Viewed:"},
+                                                                           {"type": "input_image", "image_url": url}]}]
+    r = _streamed(client, dict(model=server.model, input=items, max_output_tokens=1, temperature=0))
+    call = {"id": "c1", "type": "function", "function": {"name": "view_image", "arguments": "{}"}}
+    chat = [{"role": "user", "content": TASK}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "Viewed:"},
+                                                                {"type": "image_url", "image_url": {"url": url}}]}]
+    c = client.chat.completions.create(model=server.model, messages=chat, max_tokens=1, temperature=0)
+    text_only = [*chat[:2], {**chat[2], "content": "Viewed:"}]
+    t = client.chat.completions.create(model=server.model, messages=text_only, max_tokens=1, temperature=0)
+    assert c.usage.prompt_tokens == r.usage.input_tokens > t.usage.prompt_tokens + 8
+    assert c.usage.prompt_tokens_details.cached_tokens >= c.usage.prompt_tokens - 2
 
 
-@LATER_SHOT
+# Qwen3.5's template keeps the think blocks of the replies since the last user turn: a screenshot after the
+# first tool result stays in its result (the template writes it there), not in a new user turn that would
+# re-render every earlier reply without them (that turn reused only the system prompt and the task)
+
 def test_a_claude_code_session_with_a_later_screenshot_on_qwen3_5(reasoning_family_images):
     _check_reuse(_claude_session(reasoning_family_images, thinking=True, screenshots=True, shot=2))
 
 
-@LATER_SHOT
 def test_a_codex_session_with_a_later_screenshot_on_qwen3_5(reasoning_family_images):
     _check_reuse(_codex_session(reasoning_family_images, thinking=True, screenshots=True, shot=2))
 
@@ -411,16 +429,18 @@ def test_instructions_and_the_developer_items_after_them_are_one_system_message(
     assert [m["role"] for m in later] == ["system", "user", "developer"]  # only the ones that open the input
 
 
-def test_the_images_of_parallel_calls_follow_their_results():
+def test_the_images_of_parallel_calls_stay_in_their_results():
+    """The prompt builder moves them to a user turn after the results for the templates that want it."""
     image = {"type": "input_image", "image_url": f"data:image/png;base64,{SCREENSHOT}"}
-    calls = [{"type": "function_call", "name": "view_image", "arguments": "{}", "call_id": c} for c in "ab"]
+    calls = [{"type": "function_call", "name": "view_image", "arguments": "{}", "call_id": c} for c in "abc"]
     outputs = [{"type": "function_call_output", "call_id": "a", "output": [{"type": "input_text", "text": "A"}, image]},
-               {"type": "function_call_output", "call_id": "b", "output": [image]}]
+               {"type": "function_call_output", "call_id": "b", "output": [image]},
+               {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": "C"}]}]
     messages = _chat(input=[_message("user", TASK), *calls, *outputs])
     assert [(m["role"], m.get("tool_call_id")) for m in messages] == [
-        ("user", None), ("assistant", None), ("tool", "a"), ("tool", "b"), ("user", None)]
-    assert messages[2]["content"] == "A" and messages[3]["content"] == ""
-    assert [p["type"] for p in messages[4]["content"]] == ["image_url", "image_url"]
+        ("user", None), ("assistant", None), ("tool", "a"), ("tool", "b"), ("tool", "c")]
+    assert [[p["type"] for p in m["content"]] for m in messages[2:4]] == [["text", "image_url"], ["image_url"]]
+    assert messages[4]["content"] == "C"
 
 
 @pytest.mark.parametrize(("output", "says"), [

@@ -108,6 +108,31 @@ def test_greedy_tokens_equal_mlx_vlm_reference(family: Family) -> None:
         assert ours == family.reference(prompt), f"{family.arch}: case {i} ({len(images)} images)"
 
 
+SHOT_CALL = {"id": "a1b2c3d4e", "type": "function", "function": {"name": "screenshot", "arguments": {}}}
+
+
+def _tool_result_prompt(family: Family, image: Any) -> PromptInputs:
+    """A screenshot tool's result with the picture in it, as the chat API hands it on."""
+    result = [{"type": "text", "text": "The page:"}, {"type": "image"}]
+    return family.engine.prompter.build([SYSTEM, {"role": "user", "content": "Check the page."},
+                                         {"role": "assistant", "content": "", "tool_calls": [SHOT_CALL]},
+                                         {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": result}], [image])
+
+
+def test_an_image_in_a_tool_result_pairs_with_its_pixels(family: Family) -> None:
+    """Inside the result where the template writes it there (Qwen3-VL, Qwen3.5, GLM-4.xV), else in a user turn
+    after it: greedy tokens equal mlx-vlm's on the same ids and pixel values, and the image matters."""
+    red, blue, _ = _images()
+    try:
+        prompts = [_tool_result_prompt(family, image) for image in (red, blue)]
+    except PromptError:  # no tool turn, and strict turn order (Gemma 3's, Mistral's, Pixtral's)
+        assert not family.engine.prompter.template.tool_images
+        return
+    ours = [family.run(family.tokens(f"shot{i}", prompt)) for i, prompt in enumerate(prompts)]
+    assert ours == [family.reference(prompt) for prompt in prompts]
+    assert ours[0] != ours[1]
+
+
 def test_batch_invariance_of_eight_mixed_requests(family: Family) -> None:
     """Text and image prompts of different lengths, sharing prefixes, joining at different steps."""
     red, blue, green = _images()

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from PIL import Image
 
-from vlmserve.preprocess.prompt import PromptBuilder, tokenizer_of
+from vlmserve.preprocess.prompt import PromptBuilder, PromptError, tokenizer_of
 from vlmserve.preprocess.template import TemplateInfo
 from vlmserve.testing import ARCHS, build_model
 from vlmserve.testing.tool_tuning import AFTER_CALL, WEATHER_TOOL
@@ -20,8 +21,12 @@ EXPECTED = {
     "gemma3": TemplateInfo(renders_tools=False),
     "qwen2_vl": TemplateInfo(renders_tools=False),
     "qwen2_5_vl": TemplateInfo(renders_tools=False),
-    "qwen3_5": TemplateInfo(opens_reasoning=True),
-    "qwen3_5_moe": TemplateInfo(opens_reasoning=True),
+    "qwen3_vl": TemplateInfo(tool_images=True),
+    "qwen3_vl_moe": TemplateInfo(tool_images=True),
+    "qwen3_5": TemplateInfo(opens_reasoning=True, tool_images=True),
+    "qwen3_5_moe": TemplateInfo(opens_reasoning=True, tool_images=True),
+    "glm4v": TemplateInfo(tool_images=True),
+    "glm4v_moe": TemplateInfo(tool_images=True),
     "mistral3": TemplateInfo(nine_char_call_ids=True),
     "pixtral": TemplateInfo(renders_tools=False, text_in_content=True),
     "smolvlm": TemplateInfo(parts_roles=ALL, renders_tools=False),
@@ -84,3 +89,32 @@ def test_a_finished_tool_call_and_its_result_reach_the_prompt(family: Family) ->
 
 def test_instructions_land_where_the_template_keeps_system_text(family: Family) -> None:
     assert "Answer in JSON." in family.text([{"role": "user", "content": "hi"}], instructions="Answer in JSON.")
+
+
+# The templates that write an image part of a tool message as their image placeholder, inside the result
+KEEP_TOOL_IMAGES = frozenset({"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe"})
+SHOT_CALL = {"id": "a1b2c3d4e", "type": "function", "function": {"name": "screenshot", "arguments": {}}}
+CALLED = [{"role": "user", "content": "Check the settings page."},
+          {"role": "assistant", "content": "", "tool_calls": [SHOT_CALL]}]
+
+
+def test_a_tool_results_image_stays_in_it_only_where_the_template_writes_it_there(family: Family) -> None:
+    """Keeping templates get the image inside the result (the prompt differs from the image in a user turn
+    after it, with the same image tokens); every other template gets exactly the prompt of that user turn."""
+    inside = [*CALLED, {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": [
+        {"type": "text", "text": "Screenshot taken."}, {"type": "image"}]}]
+    after = [*CALLED, {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "Screenshot taken."},
+             {"role": "user", "content": [{"type": "image"}]}]
+    image = Image.new("RGB", (64, 48), (200, 30, 30))
+    try:
+        ids_after = family.prompter.build(after, [image]).input_ids
+    except PromptError:  # no tool turn, and strict turn order (Gemma 3's, Mistral's, Pixtral's): refused either way
+        assert family.arch not in KEEP_TOOL_IMAGES
+        with pytest.raises(PromptError):
+            family.prompter.build(inside, [image])
+        return
+    ids_inside = family.prompter.build(inside, [image]).input_ids
+    assert (ids_inside != ids_after) == (family.arch in KEEP_TOOL_IMAGES)
+    placeholders = family.prompter.media_token_ids  # none found for InternVL's processor
+    images_inside, images_after = (sum(i in placeholders for i in ids) for ids in (ids_inside, ids_after))
+    assert images_inside == images_after and (images_inside > 0 or family.arch not in KEEP_TOOL_IMAGES)

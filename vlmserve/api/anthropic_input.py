@@ -2,9 +2,9 @@
 
 Blocks map one to one: ``text`` and ``image`` blocks (base64 or URL) become chat parts, an
 assistant's ``tool_use`` blocks its tool calls, a user's ``tool_result`` blocks tool messages (a
-result's images follow them in a user message: chat templates take images from users), ``system``
-the system message, ``tools`` (``input_schema``) function tools, ``tool_choice`` (auto, any, tool,
-none) the chat's, ``stop_sequences`` the stop strings, ``output_config.format`` (a JSON schema) the
+result's images in it: the prompt builder moves them to a user turn where a template wants them there),
+``system`` the system message, ``tools`` (``input_schema``) function tools, ``tool_choice`` (auto, any,
+tool, none) the chat's, ``stop_sequences`` the stop strings, ``output_config.format`` (a JSON schema) the
 ``response_format`` and ``thinking`` the template's ``enable_thinking``. Earlier ``thinking`` blocks
 are not sent back to the model. ``cache_control`` breakpoints (on tools, system blocks, content blocks,
 or the request itself) keep the prompt's cached prefix from eviction for the longest TTL among them
@@ -145,9 +145,7 @@ def _message(message: Any, where: str) -> list[dict[str, Any]]:
         at = f"{where}.content.{j}"
         kind = _kind(block, at)
         if kind == "tool_result":
-            text, images = _tool_result(block, at)
-            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text})
-            parts += images
+            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": _tool_result(block, at)})
         else:
             parts.append(_part(block, kind, at))
     if parts:
@@ -207,23 +205,29 @@ def _image_url(source: Any, where: str) -> str:
                       "supported)", where, "unsupported_value")
 
 
-def _tool_result(block: dict[str, Any], where: str) -> tuple[str, list[dict[str, Any]]]:
-    """A tool result's text for the tool message, and its images for the user turn after it."""
+def _tool_result(block: dict[str, Any], where: str) -> str | list[dict[str, Any]]:
+    """A tool result's content for the tool message: its text, or with images its text and image parts in
+    order (the text blocks' texts joined by newlines, as a result without images has them)."""
     content = block.get("content", "")
-    texts, images = ([content], []) if isinstance(content, str) else ([], [])
-    if not isinstance(content, str):
-        for k, inner in enumerate(content if isinstance(content, list) else []):
-            at = f"{where}.content.{k}"
-            kind = _kind(inner, at)
-            if kind == "image":
-                images.append(_part(inner, kind, at))
-            elif kind == "text":
-                texts.append(str(inner.get("text", "")))
-            else:
-                raise bad_request(f"{at}: tool_result blocks of type {kind!r} are not supported (text, image)", at,
-                                  "unsupported_value")
-    text = "\n".join(texts)
-    return (f"Error: {text}" if block.get("is_error") else text), images
+    prefix = "Error: " if block.get("is_error") else ""
+    if isinstance(content, str):
+        return prefix + content
+    parts: list[dict[str, Any]] = [{"type": "text", "text": prefix}] if prefix else []
+    texts = 0
+    for k, inner in enumerate(content if isinstance(content, list) else []):
+        at = f"{where}.content.{k}"
+        kind = _kind(inner, at)
+        if kind == "image":
+            parts.append(_part(inner, kind, at))
+        elif kind == "text":
+            parts.append({"type": "text", "text": "\n" * (texts > 0) + str(inner.get("text", ""))})
+            texts += 1
+        else:
+            raise bad_request(f"{at}: tool_result blocks of type {kind!r} are not supported (text, image)", at,
+                              "unsupported_value")
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
 
 
 def _tool(tool: dict[str, Any], where: str) -> dict[str, Any]:

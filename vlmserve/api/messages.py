@@ -184,9 +184,11 @@ def _content(m: Message, index: int, media: _Media) -> str | list[dict[str, Any]
         return m.content or ""
     parts: list[dict[str, Any]] = []
     for part in m.content:
-        if isinstance(part, (ImagePart, VideoPart)) and m.role != "user":
-            kind = "images" if isinstance(part, ImagePart) else "videos"
-            raise bad_request(f"messages.{index}: {kind} are only allowed in user messages", f"messages.{index}.content")
+        if isinstance(part, VideoPart) and m.role != "user":
+            raise bad_request(f"messages.{index}: videos are only allowed in user messages", f"messages.{index}.content")
+        if isinstance(part, ImagePart) and m.role not in ("user", "tool"):
+            raise bad_request(f"messages.{index}: images are only allowed in user and tool messages",
+                              f"messages.{index}.content")
         if isinstance(part, ImagePart):
             media.image_urls.append(part.image_url.url)
             media.image_details.append(part.image_url.detail)
@@ -196,9 +198,9 @@ def _content(m: Message, index: int, media: _Media) -> str | list[dict[str, Any]
             parts.append({"type": "video"})
         else:
             parts.append({"type": "text", "text": part.text})
-    if m.role != "user":  # templates expect plain text outside user turns
-        return "".join(p.get("text", "") for p in parts)
-    return parts
+    if m.role == "user" or (m.role == "tool" and any(p["type"] == "image" for p in parts)):
+        return parts  # a tool result's images stay with it: the prompt builder moves them where a template needs
+    return "".join(p.get("text", "") for p in parts)  # templates expect plain text outside user turns
 
 
 def _check_structures(req: ChatCompletionRequest) -> None:

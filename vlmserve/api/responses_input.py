@@ -2,9 +2,9 @@
 
 Input items map one to one: messages with ``input_text``/``input_image``/``output_text`` parts,
 ``function_call`` items (the assistant's earlier calls) and ``function_call_output`` items (their
-results: a string, or ``input_text``/``input_image`` parts, whose images follow in a user message, as
-the Messages API does with a tool result's); ``instructions`` and the system or developer items right
-after them become one system message (templates such as Qwen3.5's refuse a second one, and Codex sends
+results: a string, or ``input_text``/``input_image`` parts, kept in the tool message, as the Messages
+API keeps a tool result's); ``instructions`` and the system or developer items right after them
+become one system message (templates such as Qwen3.5's refuse a second one, and Codex sends
 its permissions as a developer item), function tools the chat tools, ``text.format`` the
 ``response_format``, and ``reasoning.effort: "none"`` the template's ``enable_thinking: false``.
 Earlier ``reasoning`` items are not sent back to the model; ``include``, ``prompt_cache_key`` and
@@ -95,29 +95,15 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
 
 
 def _add_output(messages: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
-    """A call's result as a tool message, and its images in the user message after the results of the
-    turn's calls (chat templates take images from users only)."""
+    """A call's result as a tool message: its text, or with images its text and image parts in order."""
     output = item.get("output") or ""
     if not isinstance(output, (str, list)):
         raise bad_request(f"{where}: a function_call_output's output is a string or a list of input_text and "
                           "input_image parts", where, "invalid_value")
     parts = [{"type": "text", "text": output}] if isinstance(output, str) else _content(output, where)
-    text = "".join(p["text"] for p in parts if p["type"] == "text")
-    images = [p for p in parts if p["type"] != "text"]
-    tool = {"role": "tool", "tool_call_id": item.get("call_id"), "content": text}
-    if _holds_output_images(messages):  # an earlier result's images: this result goes before them
-        messages.insert(len(messages) - 1, tool)
-        messages[-1]["content"] += images
-    else:
-        messages += [tool, {"role": "user", "content": images}] if images else [tool]
-
-
-def _holds_output_images(messages: list[dict[str, Any]]) -> bool:
-    """Whether the last message is the images of the tool results before it."""
-    if len(messages) < 2 or messages[-1]["role"] != "user" or messages[-2]["role"] != "tool":
-        return False
-    content = messages[-1]["content"]
-    return isinstance(content, list) and all(p.get("type") == "image_url" for p in content)
+    images = any(p["type"] != "text" for p in parts)
+    content = parts if images else "".join(p["text"] for p in parts)
+    messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
 
 
 def _one_system_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -2,13 +2,15 @@
 
 Published templates differ in ways that silently lose input: SmolVLM's and LLaVA's iterate
 ``message['content']`` as a list, so a plain-string message renders without its text; many
-templates (Gemma 3, LLaVA, PaliGemma, Qwen2-VL) ignore ``tools`` entirely. Probing once at load
-turns those into facts the prompt builder acts on, for any template.
+templates (Gemma 3, LLaVA, PaliGemma, Qwen2-VL) ignore ``tools`` entirely; only some (Qwen3-VL,
+Qwen3.5, GLM-4.xV) write an image inside a tool's result. Probing once at load turns those into
+facts the prompt builder acts on, for any template.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,7 @@ class TemplateInfo:
     text_in_content: bool = False  # text parts read as part["content"] (Pixtral's template), not part["text"]
     nine_char_call_ids: bool = False  # Mistral's templates refuse any other tool-call id: ours are renumbered
     opens_reasoning: bool = False  # the generation prompt ends inside <think> (Qwen3.5): replies start reasoning
+    tool_images: bool = False  # a tool result's images stay in its tool message; else they follow it as a user turn
 
 
 def inspect_template(templater: Any) -> TemplateInfo:
@@ -62,13 +65,38 @@ def inspect_template(templater: Any) -> TemplateInfo:
     text_in_content = PROBE not in by_text and PROBE in by_content
     nine_chars = _render(templater, _call_chat("call_probe_7a1c")) is None and _render(templater, _call_chat("a1b2c3d4e"))
     opens = (_render(templater, [{"role": "user", "content": "hi"}]) or "").rstrip().endswith("<think>")
-    return TemplateInfo(frozenset(parts_roles), renders_tools, "system" in seen, text_in_content, bool(nine_chars), opens)
+    # A template with no tool syntax gets results as user turns we write (_hermes_history): images follow them
+    tool_images = renders_tools and _writes_tool_images(templater)
+    return TemplateInfo(frozenset(parts_roles), renders_tools, "system" in seen, text_in_content, bool(nine_chars), opens,
+                        tool_images)
 
 
-def _call_chat(call_id: str) -> list[dict[str, Any]]:
+def _writes_tool_images(templater: Any) -> bool:
+    """Whether an image part in a tool message renders as the placeholder an image in a user message
+    does (Qwen3.5's ``<|vision_start|><|image_pad|><|vision_end|>``), not dropped (Gemma 4) or quoted as
+    data (Mistral, Llama 4, Kimi)."""
+    text = {"type": "text", "text": PROBE}  # on both sides of the image: where the placeholder ends is plain
+    without, with_image = [text, text], [text, {"type": "image"}, text]
+    placeholder = _inserted(_render(templater, [{"role": "user", "content": without}]),
+                            _render(templater, [{"role": "user", "content": with_image}]))
+    in_tool = _inserted(_render(templater, _call_chat("a1b2c3d4e", without)),
+                        _render(templater, _call_chat("a1b2c3d4e", with_image)))
+    return bool(placeholder) and in_tool == placeholder
+
+
+def _inserted(before: str | None, after: str | None) -> str:
+    """What ``after`` adds to ``before`` in one place (empty where either failed to render)."""
+    if before is None or after is None:
+        return ""
+    head = len(os.path.commonprefix([before, after]))
+    tail = len(os.path.commonprefix([before[head:][::-1], after[head:][::-1]]))
+    return after[head:len(after) - tail]
+
+
+def _call_chat(call_id: str, result: str | list[dict[str, Any]] = "ok") -> list[dict[str, Any]]:
     call = {"id": call_id, "type": "function", "function": {"name": "vlmserve_probe_tool", "arguments": {}}}
     return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": call_id, "content": "ok"}]
+            {"role": "tool", "tool_call_id": call_id, "content": result}]
 
 
 def _render(templater: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str | None:
@@ -83,7 +111,8 @@ def adapt_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str,
                    instructions: str = "") -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """Messages and tools as this template needs them to lose nothing; ``instructions`` join the
     system message, wherever this template keeps it."""
-    out = _renumbered_calls(messages) if info.nine_char_call_ids else list(messages)
+    out = list(messages) if info.tool_images else _tool_images_after(messages)
+    out = _renumbered_calls(out) if info.nine_char_call_ids else out
     if tools and not info.renders_tools:
         out = _hermes_history(out)
         preamble = HERMES_TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t) for t in tools))
@@ -101,6 +130,32 @@ def _with_parts(message: dict[str, Any], info: TemplateInfo) -> dict[str, Any]:
     if info.text_in_content and isinstance(content, list):
         content = [{**p, "content": p["text"]} if p.get("type") == "text" else p for p in content]
     return message if content is message.get("content") else {**message, "content": content}
+
+
+def _tool_images_after(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run of tool messages with only their text, their images in a user turn right after the run:
+    at the start of the user message that follows, or a new one."""
+    out: list[dict[str, Any]] = []
+    held: list[dict[str, Any]] = []
+    for m in messages:
+        if held and m["role"] == "user":
+            out.append(_with_images_first(m, held))
+            held = []
+            continue
+        if held and m["role"] != "tool":
+            out.append({"role": "user", "content": held})
+            held = []
+        if m["role"] == "tool" and isinstance(m.get("content"), list):
+            held += [p for p in m["content"] if p.get("type") != "text"]
+            m = {**m, "content": text_of(m["content"])}
+        out.append(m)
+    return [*out, {"role": "user", "content": held}] if held else out
+
+
+def _with_images_first(message: dict[str, Any], images: list[dict[str, Any]]) -> dict[str, Any]:
+    content = message.get("content")
+    parts = content if isinstance(content, list) else [{"type": "text", "text": content}] if content else []
+    return {**message, "content": [*images, *parts]}
 
 
 def _renumbered_calls(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
