@@ -9,7 +9,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from vlmserve.engine.caches import CachePolicy, EngineCaches, cache_policy
 from vlmserve.engine.costs import FLOOR_TOKENS, StepCosts, measure_costs
@@ -19,6 +19,8 @@ from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import LoadedModel, default_kv_budget
 from vlmserve.engine.memory import KVBudget, measure_footprint
 from vlmserve.engine.models import ModelAdapter
+from vlmserve.engine.mtp import MtpDrafter
+from vlmserve.engine.mtp_prefix import DraftPrefix
 from vlmserve.engine.params import PromptInputs, SamplingParams
 from vlmserve.engine.plan import RunnerOutput, SchedulerOutput
 from vlmserve.engine.prefix_cache import PrefixCache
@@ -82,7 +84,14 @@ def disk_tier(loaded: LoadedModel, config: EngineConfig, policy: CachePolicy,
     kv = f"{quant.bits}-{quant.group_size}-{quant.start}" if quant is not None else "full"
     store = DiskStore(model_folder(config.prefix_cache_dir, loaded.name), config.prefix_cache_disk_bytes,
                       identity(loaded.path, loaded.model_type, loaded.model, kv))
-    return DiskTier(store, loaded.adapter.make_cache, prefill_s)
+    return DiskTier(store, stored_cache(loaded), prefill_s)
+
+
+def stored_cache(loaded: LoadedModel) -> Callable[[], list[Any]]:
+    """A fresh cache of what the prefix stores keep for this model: its layers, and the MTP drafter's
+    state after them where it has one (engine/mtp_prefix.py)."""
+    make = loaded.adapter.make_cache
+    return (lambda: [*make(), DraftPrefix()]) if isinstance(loaded.drafter, MtpDrafter) else make
 
 
 def new_request(loaded: LoadedModel, request_id: str, prompt: PromptInputs, params: SamplingParams,

@@ -8,7 +8,8 @@ pair, so every position a row has must pass through it once, prompt included (ml
 - **prompt:** each prefill chunk's hidden states are recorded as each target forward returns them (the
   adapter's ``hidden_sink``: mlx-vlm's ``return_hidden``) and run through the drafter with the prompt's
   next tokens; the last position waits for the first sampled token (``first``). A prompt that reuses a
-  cached prefix gives the drafter its own part only;
+  cached prefix starts from the drafter state stored with it (engine/mtp_prefix.py), whose last position
+  waits for this prompt's next token;
 - **decode and verify:** each target forward leaves every row's kept positions with the tokens kept
   there (``after_decode``, ``after_verify``: a verify keeps ``a + 1``, ragged). They go through the
   drafter when the next step drafts, before it drafts; a step that does not draft drops them, so a
@@ -204,7 +205,10 @@ class MtpDrafter:
 
     def prefill(self, rows: DraftRows | None, input_ids: mx.array, hidden: mx.array, end: int) -> DraftRows:
         """A prompt's positions ``[end - L, end)`` (``hidden``: ``[1, L, H]``) into its drafter state,
-        each with the prompt's next token; the prompt's last position waits for its first token."""
+        each with the prompt's next token; the prompt's last position waits for its first token. A state
+        restored with a reused prefix has the prefix's last position waiting: it goes first."""
+        if rows is not None and rows.waiting is not None:
+            hidden, rows.waiting = mx.concatenate([rows.waiting, hidden], axis=1), None
         start, last = end - hidden.shape[1], input_ids.shape[1] - 1
         if rows is None:
             rows = DraftRows.start(len(self.model.layers), 1, start)

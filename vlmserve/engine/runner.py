@@ -35,6 +35,7 @@ from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.models import Embedded
 from vlmserve.engine.models.base import tapped
 from vlmserve.engine.mtp import DraftRows, MtpDrafter
+from vlmserve.engine.mtp_prefix import DraftPrefix
 from vlmserve.engine.params import HostArray, ImageItem, PromptInputs, SamplingParams
 from vlmserve.engine.plan import (
     EncodeChunk,
@@ -175,8 +176,11 @@ class ModelRunner:
     def _enter(self, new: NewRequest) -> None:
         input_ids = mx.array(new.prompt.input_ids, dtype=mx.int32)[None]
         prefix = self.caches.take_prefix(new.request_id) if new.num_cached else None
+        remembered = prefix.pop() if prefix is not None and isinstance(prefix[-1], DraftPrefix) else None
         cache = prefix if prefix is not None else self.adapter.make_cache()
         row = self.prompts[new.request_id] = PromptRow(new.prompt, new.params, input_ids, cache, forks=dict(new.forks))
+        if remembered is not None and remembered.position == new.num_cached - 1:  # its pair waits for our token
+            row.draft = remembered.rows(len(self._mtp().model.layers))
         if new.params.prompt_logprobs is not None:
             assert not new.num_cached, "a scored prompt reuses no KV"
             row.prompt_logprobs = [None]  # the first token has nothing before it
@@ -276,13 +280,14 @@ class ModelRunner:
                 logits = self._prefill_scored(row, embedded, chunk)
             else:
                 logits = self._prefill_tokens(row, embedded, chunk)
-        if states:  # the drafter's own KV: these positions, each with the prompt's next token
-            row.draft = self._mtp().prefill(row.draft, row.input_ids, self._mtp().recorded(states), chunk.end)
+        hidden = self._mtp().recorded(states) if states else None
+        if hidden is not None:  # the drafter's own KV: these positions, each with the prompt's next token
+            row.draft = self._mtp().prefill(row.draft, row.input_ids, hidden, chunk.end)
         drafted = row.draft.arrays() if row.draft is not None else []
         if chunk.end < embedded.inputs_embeds.shape[1]:
             mx.eval([c.state for c in row.cache], drafted)
             if chunk.store_prefix:  # a snapshot at the prompt's stem: the prefill goes on in the row's own
-                self.caches.store_prefix(row.prompt, copy.deepcopy(row.cache), chunk.end, row.params.cache_ttl_s)
+                self._store(row, copy.deepcopy(row.cache), chunk.end, hidden[:, -1:] if hidden is not None else None)
             return
         mx.eval(logits, [c.state for c in row.cache], embedded.row_state, drafted)
         forks = [row.forks[f] for f in chunk.forks]
@@ -293,7 +298,7 @@ class ModelRunner:
                 firsts[0] = replace(firsts[0], prompt_logprobs=tuple(row.prompt_logprobs))
             out.samples.update(zip(ids, firsts))
         if chunk.store_prefix:
-            self.caches.store_prefix(row.prompt, row.cache, ttl=row.params.cache_ttl_s)
+            self._store(row, row.cache)
         rows = 1 + len(forks)  # n > 1: the prompt's KV and state copied into a row per fork
         row_state = {k: mx.concatenate([v] * rows) if rows > 1 else v for k, v in embedded.row_state.items()}
         inputs = self._inputs(firsts, rows)
@@ -361,12 +366,18 @@ class ModelRunner:
         out.prefill_batches += 1
         for i, chunk in enumerate(chunks):
             if chunk.store_prefix:  # a row of the batch serves a later prompt as if it had been alone
-                self.caches.store_prefix(rows[i].prompt, [c.extract(request_ids.index(chunk.request_id))
-                                                                    for c in cache], ttl=rows[i].params.cache_ttl_s)
+                self._store(rows[i], [c.extract(request_ids.index(chunk.request_id)) for c in cache])
         inputs, draft = self._inputs(firsts, len(rows)), None
         if states:
             draft = self._mtp().first([cast(DraftRows, r.draft) for r in rows], [[t] for t in inputs])
         self._join(request_ids, cache, row_state, sampling, inputs, draft)
+
+    def _store(self, row: PromptRow, cache: list[Any], end: int | None = None, hidden: mx.array | None = None) -> None:
+        """Keep the prompt's first ``end`` positions (None: all) in its prefix store, with the MTP drafter's
+        state of them where it has one (``hidden``: the target's at ``end - 1``, inside the prompt)."""
+        if isinstance(self.drafter, MtpDrafter):
+            cache = [*cache, DraftPrefix.of(row.draft, end or row.input_ids.shape[1], hidden)]
+        self.caches.store_prefix(row.prompt, cache, end, row.params.cache_ttl_s)
 
     @contextmanager
     def _prompt_states(self) -> Iterator[list[mx.array]]:
