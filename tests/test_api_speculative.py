@@ -90,7 +90,7 @@ def test_a_bad_prediction_is_a_400(spec_server):
     (["--speculative-config", '{"method": "eagle3", "model": "/models/drafter"}'], "not supported yet"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 40}'], "num_speculative_tokens"),
     (["--speculative-config", "{nope"], "not JSON"),
-    (["--draft-model", "/models/drafter", "--draft-kind", "dflash"], "not supported yet"),
+    (["--draft-model", "/models/drafter", "--draft-kind", "eagle3"], "not supported yet"),
     (["--draft-kind", "mtp"], "need --draft-model"),
 ])
 def test_what_cannot_run_is_refused_at_start_up_in_one_line(args, says):
@@ -123,3 +123,31 @@ def test_the_demo_drafter_gives_the_same_caption_and_most_of_its_drafts_are_acce
     drafted, accepted = counters["vllm:spec_decode_num_draft_tokens_total"], counters["vllm:spec_decode_num_accepted_tokens_total"]
     assert drafted > 0 and accepted / drafted > 0.5, (accepted, drafted)  # a caption is what it was trained on
     assert "speculative decoding with the drafter" in drafter_server.log and "demo-gemma4-assistant" in drafter_server.log
+
+
+def test_a_dflash_drafter_by_mlx_vlm_servers_flags_gives_the_same_answer(tmp_path_factory):
+    """``--draft-model DIR --draft-kind dflash`` (mlx_vlm.server's spelling) on a Qwen3.5 target: the answer is
+    the one the same server gives a request that never drafts (a penalty rules drafts out), and it drafted."""
+    from server_utils import start_server
+
+    from vlmserve.testing import build_model
+    from vlmserve.testing.qwen3_5 import build_dflash
+
+    target = build_model("qwen3_5", "micro")
+    drafter = build_dflash(target, tmp_path_factory.getbasetemp() / "qwen3_5-dflash")
+    server = start_server(["--model", str(target), "--draft-model", str(drafter), "--draft-kind", "dflash"],
+                          tmp_path_factory.mktemp("logs") / "dflash.log")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        ask = {"model": str(target), "max_tokens": 16, "temperature": 0,
+               "messages": [{"role": "user", "content": "one two three, one two three, again: one two"}]}
+        drafted = client.chat.completions.create(**ask).choices[0].message.content
+        plain = client.chat.completions.create(**ask, presence_penalty=1e-9).choices[0].message.content
+        metrics = httpx.get(server.url + "/metrics").text
+    finally:
+        server.stop()
+    assert drafted == plain
+    assert "speculative decoding with the drafter" in server.log and "(dflash, " in server.log
+    drafts = [float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("vllm:spec_decode_num_draft_tokens_total")]
+    assert drafts and drafts[0] > 0

@@ -2,8 +2,9 @@
 every step (``adaptive: false``), gives each request mlx-vlm's greedy tokens for its prompt alone, and
 no request fails.
 
-The drafters: ngram lookups (on Gemma 4 and Qwen3.5), Gemma 4's assistant (it reads the target's KV)
-and Qwen3.5's MTP (a KV of its own, filled from the target's hidden states at every prompt position).
+The drafters: ngram lookups (on Gemma 4 and Qwen3.5), Gemma 4's assistant (it reads the target's KV),
+Qwen3.5's MTP (a KV of its own, filled from the target's hidden states at every prompt position) and a
+DFlash drafter for Qwen3.5 (a KV of its own from two target layers' states, a block of drafts a forward).
 2-4 text and image prompts of different lengths enter at once (``_at_once`` holds the worker while they
 are posted) through each way in: one grouped left-padded prefill; pieces beside a decoding row (layer
 pieces where the family splits image prompts by layers, Gemma's; token chunks where it chunks them,
@@ -67,10 +68,17 @@ def _mtp(tmp: pytest.TempPathFactory, target: Path) -> Path:
     return out
 
 
-# name -> (the target's family, its drafter model's builder; None: ngram lookups)
+def _dflash(tmp: pytest.TempPathFactory, target: Path) -> Path:
+    from vlmserve.testing.qwen3_5 import build_dflash
+    return build_dflash(target, tmp.getbasetemp() / f"{target.name}-dflash")
+
+
+# name -> (the target's family, its drafter model's builder; None: ngram lookups); the name's first word
+# is the method (the assistant's is mtp's)
 KINDS: dict[str, tuple[str, Callable[[pytest.TempPathFactory, Path], Path] | None]] = {
     "ngram-gemma4": ("gemma4", None), "ngram-qwen3_5": ("qwen3_5", None),
-    "assistant-gemma4": ("gemma4", _assistant), "mtp-qwen3_5": ("qwen3_5", _mtp)}
+    "assistant-gemma4": ("gemma4", _assistant), "mtp-qwen3_5": ("qwen3_5", _mtp),
+    "dflash-qwen3_5": ("qwen3_5", _dflash), "dflash-gemma4": ("gemma4", _dflash)}
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,7 +96,8 @@ def kind(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     target = Path(build_model(arch, "micro"))
     if build is None:
         return Kind(target, SpeculativeConfig(prompt_lookup_min=1, adaptive=False))  # a draft wherever a token repeats
-    return Kind(target, SpeculativeConfig(method="mtp", model=str(build(tmp_path_factory, target)), adaptive=False))
+    method = "dflash" if request.param.startswith("dflash") else "mtp"
+    return Kind(target, SpeculativeConfig(method=method, model=str(build(tmp_path_factory, target)), adaptive=False))
 
 
 @pytest.fixture(scope="module")

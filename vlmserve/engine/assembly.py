@@ -133,7 +133,7 @@ def _speculation(name: str, loaded: LoadedModel, core: EngineCore, config: Engin
         return f"model {name}: speculative decoding is off {why}: ngram drafts and requests' predictions are unused"
     adaptive = "" if spec is None or spec.adaptive else ", drafting whatever it costs"
     if spec is not None and spec.drafter:
-        return (f"model {name}: speculative decoding with the drafter {spec.model or 'the checkpoint carries'} (mtp, "
+        return (f"model {name}: speculative decoding with the drafter {spec.model or 'the checkpoint carries'} ({spec.method}, "
                 f"up to {spec.num_speculative_tokens} tokens){adaptive}")
     if spec is not None:
         return (f"model {name}: speculative decoding with ngram drafts (up to {spec.num_speculative_tokens} tokens, "

@@ -1,8 +1,9 @@
 """[worker] A drafter model beside the target, on the worker: mlx-vlm's own drafter classes.
 
-Two kinds run here: Gemma 4's assistant (this module) and Qwen3.5's MTP (engine/mtp.py, which keeps a
-KV of its own). ``load`` picks by the drafter's model type; the runner talks to either the same way
-(``hidden_sink``/``recorded`` around a target forward, ``after_decode``/``after_verify``, ``draft``).
+Three run here: Gemma 4's assistant (this module), Qwen3.5's MTP (engine/mtp.py, which keeps a KV of its
+own) and DFlash (engine/dflash.py, a KV of its own from several target layers). ``load`` picks by the
+drafter's model type; the runner talks to each the same way (``hidden_sink``/``recorded`` around a target
+forward, ``after_decode``/``after_verify``, ``draft``).
 
 Gemma 4's assistant drafters (``gemma4_assistant``, mlx-vlm's ``mtp`` kind) draft from the target's
 state. A decode row's input token was sampled from the target's output at the row's newest position;
@@ -25,14 +26,16 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from vlmserve.engine.dflash import DFlashDrafter
 from vlmserve.engine.models import ModelAdapter
 from vlmserve.engine.mtp import MtpDrafter
 
 if TYPE_CHECKING:
     from vlmserve.engine.batch import DecodeBatch
 
-# Drafter model types this server runs, and the target families they pair with.
-SUPPORTED = {"gemma4_assistant": ("gemma4",), "qwen3_5_mtp": ("qwen3_5",)}
+# Drafter model types this server runs, and the target families they pair with, by kind (the method).
+SUPPORTED = {"mtp": {"gemma4_assistant": ("gemma4",), "qwen3_5_mtp": ("qwen3_5",)},
+             "dflash": {"qwen3_dflash": ("qwen3_5",), "gemma4_dflash": ("gemma4",)}}
 
 
 class DrafterError(ValueError):
@@ -51,14 +54,14 @@ class Drafter:
 
     @classmethod
     def load(cls, path: str, target: nn.Module, family: str, name: str, adapter: ModelAdapter,
-             own: bool = False) -> AnyDrafter:
+             own: bool = False, kind: str = "mtp") -> AnyDrafter:
         """Load the drafter at ``path`` for the model ``target`` (its family's model type ``family``, served as
-        ``name``; ``own``: the MTP layers its own checkpoint at ``path`` carries); DrafterError, in one line,
-        where it cannot serve it."""
+        ``name``; ``own``: the MTP layers its own checkpoint at ``path`` carries; ``kind``: the method asked
+        for); DrafterError, in one line, where it cannot serve it."""
         from mlx_vlm.speculative.drafters import load_drafter, validate_drafter_compatibility
 
         try:
-            loaded_drafter: tuple[Any, str] = load_drafter(path, "mtp")
+            loaded_drafter: tuple[Any, str] = load_drafter(path, kind)
             model, kind = loaded_drafter
         except Exception as exc:  # noqa: BLE001 - any failure to load is the one-line start-up error
             why = " ".join(str(exc).split())  # one line, whatever the loader said
@@ -66,25 +69,30 @@ class Drafter:
                 raise DrafterError(f'{name} carries no MTP layers mlx-vlm can read ({type(exc).__name__}: {why}); '
                                    'give a drafter directory as "model" (--draft-model)') from exc
             raise DrafterError(f"drafter {path!r} could not be loaded: {type(exc).__name__}: {why}") from exc
-        model_type = getattr(model.config, "model_type", None)
-        if own and model_type not in SUPPORTED:
+        model_type = _model_type(model)
+        supported = SUPPORTED[kind]
+        if own and model_type not in supported:
             raise DrafterError(f'{name} carries no MTP layers of its own (it is a {family}); give a drafter '
                                'directory as "model" (--draft-model)')
-        if model_type not in SUPPORTED:
+        if model_type not in supported:
             raise DrafterError(f"drafter {path!r} is a {model_type!r}; this server runs "
-                               f"{', '.join(SUPPORTED)} drafters (mtp)")
-        if family not in SUPPORTED[model_type]:
-            raise DrafterError(f"drafter {path!r} ({model_type}) drafts for {', '.join(SUPPORTED[model_type])}, "
+                               f"{', '.join(supported)} drafters ({kind})")
+        if family not in supported[model_type]:
+            raise DrafterError(f"drafter {path!r} ({model_type}) drafts for {', '.join(supported[model_type])}, "
                                f"not {family}")
         try:
             validate_drafter_compatibility(target, model, kind)
         except ValueError as exc:
             raise DrafterError(f"drafter {path!r} does not fit {name}: {exc}") from exc
         lm = adapter.language_model
+        if kind == "dflash" and (unfit := DFlashDrafter.unfit(model, _text_config(target), adapter.num_layers)):
+            raise DrafterError(f"drafter {path!r} does not fit {name}: {unfit}")
         model.set_dtype(lm.model.norm.weight.dtype)  # the target's serving dtype (quantized or not: its norm's)
         model.reset(target)  # binds it: the target's embedding table (and head) are its own
         if model_type == "qwen3_5_mtp":
             return MtpDrafter(model, adapter)
+        if kind == "dflash":
+            return DFlashDrafter(model, adapter)
         sources: dict[str, int] = {}
         for i, layer in enumerate(lm.model.layers):  # the last layer of each type; a KV-shared one reads its source's
             sources[layer.layer_type] = lm.model.previous_kvs[i]
@@ -187,4 +195,20 @@ def _row_keys(layer: Any, window: int | None) -> tuple[mx.array, mx.array, mx.ar
     return keys, values, valid, lengths
 
 
-AnyDrafter = Drafter | MtpDrafter
+def _model_type(model: Any) -> str | None:
+    """A loaded drafter's model type: its config's, or for DFlash the module mlx-vlm loaded it from (the config
+    says ``qwen3``; mlx-vlm reads the ``dflash_config`` as ``qwen3_dflash``)."""
+    module = type(model).__module__.split(".")
+    if "drafters" in module and module.index("drafters") + 1 < len(module):
+        found = module[module.index("drafters") + 1]
+        if "dflash" in found:
+            return found
+    return getattr(model.config, "model_type", None)
+
+
+def _text_config(target: Any) -> Any:
+    config = target.config
+    return getattr(config, "text_config", None) or config
+
+
+AnyDrafter = Drafter | MtpDrafter | DFlashDrafter

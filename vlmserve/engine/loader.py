@@ -254,11 +254,11 @@ def load_drafter(spec: SpeculativeConfig, loaded: LoadedModel, pipeline: bool) -
     where it cannot serve it."""
     if pipeline:
         raise ModelLoadError(f"{loaded.name}: a drafter model does not run across pipeline ranks (yet); "
-                             "drop --speculative-config's mtp or serve on one machine")
+                             "drop --speculative-config's drafter or serve on one machine")
     if not loaded.adapter.verifies_drafts:
         raise ModelLoadError(f"{loaded.name}: {loaded.model_type} does not verify drafts, so a drafter cannot serve it")
     try:
         return Drafter.load(spec.model or str(loaded.path), loaded.model, loaded.model_type, loaded.name,
-                            loaded.adapter, own=spec.model is None)
+                            loaded.adapter, own=spec.model is None, kind=spec.method)
     except DrafterError as exc:
         raise ModelLoadError(str(exc)) from None

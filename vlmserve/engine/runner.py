@@ -30,6 +30,7 @@ import numpy as np
 from vlmserve.engine import guided
 from vlmserve.engine.batch import DecodeBatch
 from vlmserve.engine.caches import EngineCaches
+from vlmserve.engine.dflash import DFlashDrafter
 from vlmserve.engine.kv_quant import merge_rows
 from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.models import Embedded
@@ -392,8 +393,9 @@ class ModelRunner:
         finally:
             self.adapter.hidden_sink = None  # read or not, the forwards after these record nothing
 
-    def _mtp(self) -> MtpDrafter:
-        assert isinstance(self.drafter, MtpDrafter)
+    def _mtp(self) -> MtpDrafter | DFlashDrafter:
+        """The drafter with a KV of its own (the MTP's or DFlash's; the same calls)."""
+        assert isinstance(self.drafter, (MtpDrafter, DFlashDrafter))
         return self.drafter
 
     def _sample_first(self, logits: mx.array, rows: list[PromptRow], forks: list[SamplingParams] | None = None

@@ -13,7 +13,9 @@ the output is the target's, token for token. Three sources:
   mtp``): a drafter model, loaded with mlx-vlm's own drafter classes, that reads the target's last
   hidden states (and KV, or a KV of its own) and proposes the next tokens on the worker, beside the
   target: Gemma 4's assistant drafters (engine/drafter.py) and Qwen3.5's MTP (engine/mtp.py). Without
-  ``model``, the MTP layers the served checkpoint carries (a Qwen3.5's), as vLLM reads them.
+  ``model``, the MTP layers the served checkpoint carries (a Qwen3.5's), as vLLM reads them;
+- ``dflash`` (``{"method": "dflash", "model": DIR}``, ``--draft-kind dflash``): a DFlash drafter
+  (engine/dflash.py), a block of drafts in one forward from several target layers' hidden states.
 
 Speculating costs a verify forward ``k + 1`` positions wide per row, and ends the decode pipeline
 for the step (the next input is known only once the acceptance is read). ``DraftPolicy`` picks the
@@ -33,16 +35,17 @@ import numpy as np
 if TYPE_CHECKING:
     from vlmserve.engine.costs import StepCosts
 
-METHODS = ("ngram", "mtp")
+METHODS = ("ngram", "mtp", "dflash")
+DRAFTERS = ("mtp", "dflash")  # the methods whose drafts a drafter model makes
 # Named by vLLM and mlx_vlm.server, and not run here (yet): refused at start-up, in one line.
-UNSUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "dflash", "medusa")
+UNSUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "medusa")
 PRIOR_ACCEPTED, PRIOR_DRAFTED = 1.0, 2.0  # a row's acceptance before it has any: 0.5, weighed as 2 tokens
 _FORGET = 0.9  # each verify, a row's acceptance counts weigh this much less (recent behaviour wins)
 
 
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
-    """``--speculative-config`` as vLLM spells it (ngram's fields, and mtp's ``model``)."""
+    """``--speculative-config`` as vLLM spells it (ngram's fields, and mtp's and dflash's ``model``)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4  # draft tokens per row and step, at most
@@ -60,8 +63,10 @@ class SpeculativeConfig:
                              f"{', '.join(METHODS)} and OpenAI's prediction")
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; one of {', '.join(METHODS)}")
-        if self.method != "mtp" and self.model is not None:
-            raise ValueError(f'"model" names a drafter, which method {self.method!r} has none of; use "mtp"')
+        if self.method not in DRAFTERS and self.model is not None:
+            raise ValueError(f'"model" names a drafter, which method {self.method!r} has none of; use "mtp" or "dflash"')
+        if self.method == "dflash" and self.model is None:
+            raise ValueError('"dflash" needs its drafter: "model" (--draft-model)')
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
@@ -85,7 +90,7 @@ class SpeculativeConfig:
     @property
     def drafter(self) -> bool:
         """Whether a drafter model proposes the drafts (on the worker), not a lookup the scheduler makes."""
-        return self.method == "mtp"
+        return self.method in DRAFTERS
 
 
 def lookup(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -187,6 +187,42 @@ def build_mtp(target: Path, out: Path) -> Path:
     return write_drafter(model, config, out)
 
 
+def dflash_config(target_config: dict[str, Any], layers: int = 2) -> dict[str, Any]:
+    """A DFlash drafter's config.json for the Qwen3.5 (or Gemma 4) whose config is ``target_config``, with the
+    keys of the published z-lab/Qwen3.5-4B-DFlash (mlx-vlm reads its ``dflash_config`` as ``qwen3_dflash``; a
+    ``gemma4`` one as ``gemma4_dflash``): ``layers`` non-causal layers of the target's width, reading its first
+    and last layers, a block of 16."""
+    text = target_config["text_config"]
+    model_type = "gemma4" if target_config["model_type"] == "gemma4" else "qwen3"
+    hidden, depth = text["hidden_size"], text["num_hidden_layers"]
+    return {"architectures": ["DFlashDraftModel"], "model_type": model_type, "block_size": 16,
+            "dflash_config": {"mask_token_id": text["vocab_size"] - 1, "target_layer_ids": sorted({0, depth - 1})},
+            "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4, "hidden_act": "silu",
+            "layer_types": ["full_attention"] * layers, "max_position_embeddings": 262144, "num_target_layers": depth,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000000, "rope_scaling": None, "sliding_window": None,
+            "use_sliding_window": False, "attention_bias": False, "tie_word_embeddings": False,
+            "vocab_size": text["vocab_size"], "dtype": "float32"}
+
+
+def build_dflash(target: Path, out: Path, seed: int = 0) -> Path:
+    """A DFlash drafter for the Qwen3.5 (or Gemma 4) build at ``target``, written to ``out`` (kept if already there): what
+    ``--speculative-config '{"method": "dflash", "model": out}'`` loads. mlx-vlm's own class with random
+    weights (seeded), its context projection made to pass the target's states through (``fc`` an identity
+    per layer read, summed), so that each position's context differs with what the target computed there."""
+    from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel
+    from mlx_vlm.speculative.drafters.qwen3_dflash.config import DFlashConfig
+
+    if (out / "model.safetensors").exists():
+        return out
+    config = dflash_config(json.loads((target / "config.json").read_text()))
+    mx.random.seed(seed)
+    model = DFlashDraftModel(DFlashConfig.from_dict(config))
+    hidden, reads = config["hidden_size"], len(config["dflash_config"]["target_layer_ids"])
+    model.fc.weight = mx.concatenate([mx.eye(hidden)] * reads, axis=1)
+    return write_drafter(model, config, out)
+
+
 # The norms a Qwen3.5 checkpoint's ``mtp.*`` layers store zero-centered (mlx-vlm adds 1 as it reads them)
 ZERO_CENTERED = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight",
                  "norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -95,8 +95,10 @@ class ModelAdapter:
         self.span_token_ids: frozenset[int] = frozenset()
         # Quantized KV (--kv-bits; engine/kv_quant.py), set by the loader where the family allows it
         self.kv_quant: KVQuant | None = None
-        # While a drafter reads the target's hidden states (engine/mtp.py): each forward's, in order
+        # While a drafter reads the target's hidden states (engine/mtp.py, engine/dflash.py): each forward's, in order
         self.hidden_sink: list[mx.array] | None = None
+        # ...of these decoder layers, side by side (DFlash's ``target_layer_ids``); None: the final, normed state
+        self.hidden_layers: tuple[int, ...] | None = None
 
     @property
     def mm_prefix_exact(self) -> bool:
@@ -237,9 +239,35 @@ class ModelAdapter:
         whichever way it ran: Qwen3.5's runs each row of a left-padded batch on its own, its norm once per row)."""
         if self.hidden_sink is None:
             return self.language_model(*args, **kwargs)
+        if self.hidden_layers is not None:
+            if kwargs.get("speculative_verify"):  # the family's exact verifier runs no layer module: it records them
+                out = self.language_model(*args, capture_layer_ids=list(self.hidden_layers), **kwargs)
+                self.hidden_sink.append(mx.concatenate(out.hidden_states[:len(self.hidden_layers)], axis=-1))
+                return out
+            with self.layers_recorded(args[0].shape, kwargs.get("cache")):
+                return self.language_model(*args, **kwargs)
         out = self.language_model(*args, return_hidden=True, **kwargs)
         self.hidden_sink.append(out.hidden_states[-1])
         return out
+
+    @contextmanager
+    def layers_recorded(self, shape: tuple[int, ...], cache: list[Any] | None) -> Iterator[None]:
+        """While open, one forward of ``shape`` (``[B, L]``) records the outputs of ``hidden_layers``, side by side
+        ``[B, L, layers * H]``, into ``hidden_sink``. Taps on the layers, not mlx-vlm's ``capture_layer_ids``, so that
+        the forward takes the path it takes without a drafter (Qwen3.5's runs a left-padded batch row by row,
+        unless asked to capture: then it runs it whole, another computation)."""
+        assert self.hidden_layers is not None and self.hidden_sink is not None and self.decoder is not None
+        decoder, wanted = self.decoder, sorted(self.hidden_layers)  # mlx-vlm captures in the layers' order
+        offset = next((c.offset for c in cache or () if isinstance(getattr(c, "offset", None), mx.array)
+                       and c.offset.ndim == 1), None)  # a batch cache's, before the forward moves it
+        layers = decoder.layers
+        taps = {i: _LayerTap(layers[i], None, capture=True, every=True) for i in wanted}
+        decoder.layers = [taps.get(i, layer) for i, layer in enumerate(layers)]
+        try:
+            yield
+        finally:
+            decoder.layers = layers
+        self.hidden_sink.append(mx.concatenate([_by_row(taps[i].outputs, shape, offset) for i in wanted], axis=-1))
 
     def settle(self, cache: list[Any]) -> None:
         """After a forward: with quantized KV on, pack each layer that now holds enough positions."""
@@ -338,6 +366,9 @@ class ModelAdapter:
         if self.exact_verifier:  # the family's own exact verifier (Qwen3.5's, LFM2's): recurrent state kept
             out = self._forward(tokens, cache=cache, speculative_verify=True, **row_state)
             transaction = out.gdn_states
+        elif self.hidden_sink is not None and self.hidden_layers is not None:  # a DFlash drafter reads its layers
+            with self.layers_recorded(tokens.shape, cache):
+                out, transaction = verify_forward(lm, tokens, cache, **row_state)  # type: ignore[no-untyped-call]
         else:
             out, transaction = verify_forward(lm, tokens, cache, **row_state)  # type: ignore[no-untyped-call]
         logits: mx.array = out.logits
@@ -378,10 +409,11 @@ def tapped(owner: Any, attr: str, first: int, last: int, hidden: mx.array | None
 
 class _LayerTap:
     """Stands in for one decoder layer during a layer piece: feeds it the carried hidden state
-    and/or keeps what it returns. Everything else (``layer_type``...) reads through to the layer."""
+    and/or keeps what it returns (``every``: each call's, in ``outputs``). Everything else
+    (``layer_type``...) reads through to the layer."""
 
-    def __init__(self, layer: Any, hidden: mx.array | None, capture: bool) -> None:
-        self.__dict__.update(layer=layer, hidden=hidden, capture=capture, output=None)
+    def __init__(self, layer: Any, hidden: mx.array | None, capture: bool, every: bool = False) -> None:
+        self.__dict__.update(layer=layer, hidden=hidden, capture=capture, output=None, outputs=[] if every else None)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["layer"], name)
@@ -390,4 +422,21 @@ class _LayerTap:
         out = self.layer(self.hidden if self.hidden is not None else h, *args, **kwargs)
         if self.capture:
             self.__dict__["output"] = out[0] if isinstance(out, tuple) else out
+            if self.outputs is not None:
+                self.outputs.append(self.output)
         return out
+
+
+def _by_row(outputs: list[mx.array], shape: tuple[int, ...], offset: mx.array | None) -> mx.array:
+    """A tapped layer's output for a ``[B, L]`` forward: its one call's, or, where the model ran a left-padded
+    batch row by row (Qwen3.5), each row's call left-padded back to ``L``. A row is all padding where its
+    cache ``offset`` is ``-L`` or less (it had no call: zeros, as mlx-vlm gives it)."""
+    rows, width = shape[0], shape[1]
+    if len(outputs) == 1 and outputs[0].shape[0] == rows:
+        return outputs[0]
+    assert offset is not None and all(o.shape[0] == 1 for o in outputs), [o.shape for o in outputs]
+    pads = [min(max(-p, 0), width) for p in cast(list[int], offset.tolist())]
+    calls, like = iter(outputs), outputs[0]
+    parts = [mx.zeros((1, width, like.shape[-1]), like.dtype) if pad == width else next(calls) for pad in pads]
+    assert next(calls, None) is None and all(p.shape[1] == width - pad for p, pad in zip(parts, pads) if pad < width)
+    return mx.concatenate([mx.pad(p, [(0, 0), (width - p.shape[1], 0), (0, 0)]) for p in parts])

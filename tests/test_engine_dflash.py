@@ -1,0 +1,199 @@
+"""DFlash drafters (engine/dflash.py, ``{"method": "dflash", "model": DIR}``): a block of drafts in one forward
+from several target layers' hidden states, in the continuous batch. Drafting on every step (``adaptive:
+false``), every request gives the target's own greedy tokens (mlx-vlm's ``generate_step`` alone), beside rows
+that do not draft, with logprobs, a grammar and seeded sampling; and the drafter drafts what mlx-vlm's own
+DFlash class drafts for each prompt alone, given the same context. The test drafter is mlx-vlm's class with
+random weights (vlmserve/testing/qwen3_5.py ``build_dflash``): few drafts are accepted, so a prediction
+that is right stands in for accepted ones where a test needs verifies that keep several tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import gather, scene
+from test_families import Family, _start, _stop
+
+from vlmserve.engine.loader import ModelLoadError
+from vlmserve.engine.params import SamplingParams
+from vlmserve.engine.speculative import SpeculativeConfig
+from vlmserve.testing import build_model
+
+GREEDY = SamplingParams(max_tokens=14, ignore_eos=True)
+TEXT = "one two three four, one two three four, say it again: one two three four"
+PLAIN = {"presence_penalty": 1e-9}  # a row with a penalty never drafts (and this one changes no token)
+
+
+def _drafter(tmp_path_factory: pytest.TempPathFactory, target: Path) -> Path:
+    from vlmserve.testing.qwen3_5 import build_dflash
+    return build_dflash(target, tmp_path_factory.getbasetemp() / "qwen3_5-dflash")
+
+
+@pytest.fixture(scope="module")
+def dflash(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Family]:
+    """Qwen3.5 with a DFlash drafter that drafts on every step, whatever it costs."""
+    target = build_model("qwen3_5", "micro")
+    config = SpeculativeConfig(method="dflash", model=str(_drafter(tmp_path_factory, target)), adaptive=False)
+    started = _start(target, speculative=config, prefix_cache=False)
+    yield started
+    _stop(started)
+
+
+def _outputs(family: Family, request_id: str, prompt: Any, params: SamplingParams) -> Any:
+    return family.run(gather(family.engine.generate(request_id, prompt, params)))
+
+
+def test_dflash_gives_the_targets_greedy_tokens_alone_and_batched_beside_rows_that_do_not_draft(
+        dflash: Family) -> None:
+    red = scene("circle", (220, 30, 30))
+    prompts = [dflash.prompt(TEXT), dflash.prompt("describe it; " + TEXT, [red]), dflash.prompt("hi")]
+    want = [dflash.reference(p, GREEDY.max_tokens) for p in prompts]
+    m0 = dflash.engine.metrics
+    alone = [dflash.run(dflash.tokens(f"da{i}", p, GREEDY)) for i, p in enumerate(prompts)]
+
+    async def together() -> list[list[int]]:
+        params = [dataclasses.replace(GREEDY, **PLAIN) if i % 2 else GREEDY for i in range(6)]
+        return await asyncio.gather(*(dflash.tokens(f"db{i}", prompts[i % 3], params[i]) for i in range(6)))
+
+    assert alone == want
+    assert dflash.run(together()) == [want[i % 3] for i in range(6)]
+    m = dflash.engine.metrics
+    assert m is not None and m0 is not None
+    assert m.spec_drafts - m0.spec_drafts >= 6 * 10  # every drafted row, on each step but its first and last
+
+
+def test_dflash_rows_keep_the_targets_logprobs_grammar_seeded_samples_and_min_tokens(dflash: Family) -> None:
+    prompt = dflash.prompt(TEXT)
+    params = dataclasses.replace(GREEDY, logprobs=True, top_logprobs=3)
+    plain = _outputs(dflash, "dl0", prompt, dataclasses.replace(params, **PLAIN))
+    mine = _outputs(dflash, "dl1", prompt, params)
+    assert mine.token_ids == plain.token_ids == dflash.reference(prompt, GREEDY.max_tokens)
+    for a, b in zip(plain.logprobs, mine.logprobs):  # a verify's float32 rounding (see test_engine_speculative)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and [t for t, _ in a.top] == [t for t, _ in b.top]
+
+    from test_engine_speculative import _schema_spec
+    guide = dflash.run(dflash.engine.guide(_schema_spec()))
+    schema = SamplingParams(max_tokens=40, guide=guide)
+    shape = dflash.prompt("Give me a shape as JSON.")
+    plain, mine = (_outputs(dflash, f"dj{i}", shape, p) for i, p in enumerate([dataclasses.replace(schema, **PLAIN),
+                                                                                schema]))
+    assert mine.error is None and mine.token_ids == plain.token_ids
+
+    for seed in range(4):
+        sampled = SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=seed, ignore_eos=True)
+        plain = _outputs(dflash, f"ds{seed}", prompt, dataclasses.replace(sampled, **PLAIN)).token_ids
+        assert _outputs(dflash, f"dt{seed}", prompt, sampled).token_ids == plain, f"seed {seed}"
+    late = SamplingParams(max_tokens=12, min_tokens=8)
+    assert _outputs(dflash, "dm1", prompt, late).token_ids == _outputs(
+        dflash, "dm0", prompt, dataclasses.replace(late, **PLAIN)).token_ids
+
+
+def test_the_dflash_drafter_drafts_what_mlx_vlms_class_drafts_over_the_whole_context(dflash: Family) -> None:
+    """Two prompts in one batch, and a third whose first verifies keep several tokens (a right prediction),
+    draft at every step what mlx-vlm's ``DFlashDraftModel.draft_block`` drafts for each prompt alone: given
+    every prompt position's states (``capture_layer_ids``), then each token the target decodes, a block of the
+    drafter's ``block_size`` each time (mlx-vlm's own loop narrows it as acceptance falls)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    engine = dflash.engine
+    params = dataclasses.replace(GREEDY, max_tokens=16)
+    prompts = [dflash.prompt(TEXT), dflash.prompt("hi"), dflash.prompt("say it: " + TEXT)]
+    theirs: dict[tuple[int, int, int], list[int]] = {}
+    ours: dict[tuple[int, int, int], list[int]] = {}
+
+    def reference(which: int) -> None:
+        assert engine.config.speculative is not None
+        model, _ = load_drafter(engine.config.speculative.model, "dflash")
+        target = engine.loaded.model
+        lm, layers = target.language_model, list(model.config.target_layer_ids)
+        cache, context, block = make_prompt_cache(lm), model.reset(target), int(model.config.block_size)
+        ids = mx.array(prompts[which].input_ids, dtype=mx.int32)[None]
+        position = ids.shape[1]
+        out = lm(ids, cache=cache, capture_layer_ids=layers)
+        for _ in range(params.max_tokens - 1):
+            token = int(mx.argmax(out.logits[0, -1]).item())
+            hidden = mx.concatenate(out.hidden_states, axis=-1)
+            drafts = model.draft_block(token, hidden, context, block, lambda x: mx.argmax(x, axis=-1))
+            theirs[(which, position, token)] = drafts[0].tolist()
+            out = lm(mx.array([[token]]), cache=cache, capture_layer_ids=layers)
+            position += 1
+
+    for which in range(len(prompts)):
+        engine.worker.call(reference, which)
+    drafter = engine.loaded.drafter
+    assert drafter is not None
+    draft = drafter.draft
+
+    def recorded(batch: Any, rows: list[int], inputs: list[int], k: int) -> Any:
+        out = draft(batch, rows, inputs, k)
+        positions = batch.draft.position.tolist()
+        for i, d in out.items():
+            ours[(int(batch.request_ids[i][2:]), positions[i], inputs[i])] = list(d)
+        return out
+
+    want = [dflash.reference(p, params.max_tokens) for p in prompts]
+    asked = [params, params, dataclasses.replace(params, prediction=tuple(want[2][:7]))]
+
+    async def together() -> list[list[int]]:
+        return await asyncio.gather(*(dflash.tokens(f"dq{i}", p, q) for i, (p, q) in enumerate(zip(prompts, asked))))
+
+    drafter.draft = recorded  # type: ignore[method-assign]
+    try:
+        assert dflash.run(together()) == want
+    finally:
+        del drafter.draft
+    both = theirs.keys() & ours.keys()
+    for key in both:  # a block as wide as the drafter's trained one, both ways: ours keeps the first k
+        assert ours[key] == theirs[key][:len(ours[key])], (key, ours[key], theirs[key])
+    assert len(both) >= 25 and {w for w, _, _ in both} == {0, 1, 2}, (sorted(theirs), sorted(ours))
+    assert min(p for w, p, _ in both if w == 2) > len(prompts[2].input_ids) + 5  # after its prediction's tokens
+
+
+def test_mlx_vlms_own_dflash_loop_gives_the_same_tokens(dflash: Family) -> None:
+    """mlx-vlm's DFlash round loop (``generate_step`` with the drafter), on our prompt ids, gives the target's
+    greedy tokens too: where both loops are right, they agree."""
+    import mlx.core as mx
+    from mlx_vlm.generate.ar import generate_step
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    engine = dflash.engine
+    prompts = [dflash.prompt(TEXT), dflash.prompt("hi")]
+
+    def theirs(ids: list[int]) -> list[int]:
+        assert engine.config.speculative is not None
+        model, _ = load_drafter(engine.config.speculative.model, "dflash")
+        target = engine.loaded.model
+        target.language_model._position_ids = target.language_model._rope_deltas = None
+        prompt = mx.array(ids, dtype=mx.int32)[None]
+        steps = generate_step(prompt, target, None, mx.ones(prompt.shape, dtype=mx.int32),
+                              max_tokens=GREEDY.max_tokens, temperature=0.0, draft_model=model, draft_kind="dflash")
+        return [int(token) for token, _ in steps][:GREEDY.max_tokens]
+
+    for i, prompt in enumerate(prompts):
+        ours = dflash.run(dflash.tokens(f"dr{i}", prompt, GREEDY))
+        assert engine.worker.call(theirs, list(prompt.input_ids)) == ours == dflash.reference(prompt, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize(("which", "says"), [("gemma4", "drafts for qwen3_5, not gemma4"),
+                                             ("mtp", "this server runs gemma4_assistant, qwen3_5_mtp drafters")])
+def test_a_dflash_drafter_that_cannot_serve_is_refused_at_load_in_one_line(
+        which: str, says: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    qwen = build_model("qwen3_5", "micro")
+    drafter = str(_drafter(tmp_path_factory, qwen))
+    target, config = ((build_model("gemma4", "micro"), SpeculativeConfig(method="dflash", model=drafter))
+                      if which == "gemma4" else (qwen, SpeculativeConfig(method="mtp", model=drafter)))
+    with pytest.raises(ModelLoadError, match=says) as caught:
+        _start(target, speculative=config)
+    assert "\n" not in str(caught.value)
+
+
+def test_dflash_needs_its_drafter() -> None:
+    with pytest.raises(ValueError, match='"dflash" needs its drafter'):
+        SpeculativeConfig(method="dflash")
