@@ -10,11 +10,13 @@ and sends them back with the result.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from openai import NOT_GIVEN
 from server_utils import ServerProcess, start_server
 
 from vlmserve.testing import ARCHS, build_model
@@ -119,3 +121,66 @@ def test_a_grammar_the_matcher_cannot_follow_fails_the_request_not_the_constrain
     ok = client.chat.completions.create(model=models["qwen2_5_vl"].name, messages=[{"role": "user", "content": "hi"}],
                                         max_tokens=4, temperature=0)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+
+SCREENSHOT_TOOL = {"type": "function", "function": {"name": "screenshot", "description": "Take a screenshot.",
+                                                    "parameters": {"type": "object", "properties": {}}}}
+ASKED = {"role": "user", "content": "Check the page."}
+
+
+def _messages_turn(server: ServerProcess, model: str, url: str, image: bool, tools: bool) -> int:
+    """Claude Code's shape: the result's blocks inside a user message."""
+    import anthropic
+
+    source = {"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]}
+    result = [{"type": "text", "text": "The page:"}, *([{"type": "image", "source": source}] if image else [])]
+    use = {"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {}}
+    function = SCREENSHOT_TOOL["function"]
+    offered = [{"name": function["name"], "description": function["description"],
+                "input_schema": function["parameters"]}] if tools else anthropic.NOT_GIVEN
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    usage = claude.messages.create(model=model, max_tokens=2, tools=offered, messages=[
+        ASKED, {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}]}]).usage
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+
+
+def _chat_turn(client, model: str, url: str, image: bool, tools: bool) -> int:  # noqa: ANN001 - openai.OpenAI
+    """OpenCode's shape: a tool message with image parts."""
+    parts = [{"type": "text", "text": "The page:"}, *([{"type": "image_url", "image_url": {"url": url}}] * image)]
+    call = {"id": "call_1", "type": "function", "function": {"name": "screenshot", "arguments": "{}"}}
+    c = client.chat.completions.create(model=model, max_tokens=2, temperature=0, messages=[
+        ASKED, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": parts}], tools=[SCREENSHOT_TOOL] if tools else NOT_GIVEN)
+    return c.usage.prompt_tokens
+
+
+def _responses_turn(client, model: str, url: str, image: bool, tools: bool) -> int:  # noqa: ANN001 - openai.OpenAI
+    """Codex's shape: a function_call_output with an input_image."""
+    output = [{"type": "input_text", "text": "The page:"}, *([{"type": "input_image", "image_url": url}] * image)]
+    r = client.responses.create(model=model, max_output_tokens=2, temperature=0, input=[
+        ASKED, {"type": "function_call", "call_id": "call_1", "name": "screenshot", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": output}],
+        tools=[{"type": "function", **SCREENSHOT_TOOL["function"]}] if tools else NOT_GIVEN)
+    return r.usage.input_tokens
+
+
+@pytest.mark.parametrize("api", ["messages", "chat", "responses"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_screenshot_in_a_tool_result_reaches_every_family(server, client, models,  # noqa: ANN001
+                                                            arch: str, api: str) -> None:
+    """[user, the assistant's screenshot call, its result: text and the picture], with tools offered and without.
+    Was a 400 on Gemma 3, Mistral 3.2, Pixtral and LLaVA-NeXT ("roles must alternate"): their templates take no
+    tool message, no two user turns in a row, or no user turn after results. The picture adds its tokens."""
+    from PIL import Image
+    from server_utils import image_data_url
+
+    model, url = models[arch].name, image_data_url(Image.new("RGB", (64, 48), (200, 30, 30)))
+    if api == "messages":
+        turn = functools.partial(_messages_turn, server, model, url)
+    else:
+        turn = functools.partial(_chat_turn if api == "chat" else _responses_turn, client, model, url)
+    text_only = turn(image=False, tools=False)
+    assert turn(image=True, tools=False) > text_only
+    assert turn(image=True, tools=True) > text_only

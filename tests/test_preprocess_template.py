@@ -18,7 +18,7 @@ from vlmserve.testing.tool_tuning import AFTER_CALL, WEATHER_TOOL
 ALL = frozenset({"system", "user", "assistant"})
 # What each published template needs; anything not listed is a template that needs no help.
 EXPECTED = {
-    "gemma3": TemplateInfo(renders_tools=False),
+    "gemma3": TemplateInfo(renders_tools=False, tool_role=False, user_runs=False),
     "qwen2_vl": TemplateInfo(renders_tools=False),
     "qwen2_5_vl": TemplateInfo(renders_tools=False),
     "qwen3_vl": TemplateInfo(tool_images=True),
@@ -27,12 +27,12 @@ EXPECTED = {
     "qwen3_5_moe": TemplateInfo(opens_reasoning=True, tool_images=True),
     "glm4v": TemplateInfo(tool_images=True),
     "glm4v_moe": TemplateInfo(tool_images=True),
-    "mistral3": TemplateInfo(nine_char_call_ids=True),
-    "pixtral": TemplateInfo(renders_tools=False, text_in_content=True),
+    "mistral3": TemplateInfo(nine_char_call_ids=True, user_runs=False, tool_image_text="[IMG]"),
+    "pixtral": TemplateInfo(renders_tools=False, text_in_content=True, tool_role=False, user_runs=False),
     "smolvlm": TemplateInfo(parts_roles=ALL, renders_tools=False),
     "paligemma": TemplateInfo(renders_tools=False, system_role=False),
     "llava": TemplateInfo(parts_roles=ALL, renders_tools=False),
-    "llava_next": TemplateInfo(parts_roles=ALL, renders_tools=False),
+    "llava_next": TemplateInfo(parts_roles=ALL, renders_tools=False, tool_role=False),
     "lfm2_vl": TemplateInfo(renders_tools=False),
     "internvl_chat": TemplateInfo(renders_tools=False),
 }
@@ -45,7 +45,9 @@ class Family:
 
     def text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
              instructions: str = "") -> str:
-        ids = self.prompter.build(messages, [], tools, instructions).input_ids
+        return self.text_of(self.prompter.build(messages, [], tools, instructions).input_ids)
+
+    def text_of(self, ids: list[int]) -> str:
         return tokenizer_of(self.prompter.processor).decode(ids, skip_special_tokens=False)
 
 
@@ -93,28 +95,58 @@ def test_instructions_land_where_the_template_keeps_system_text(family: Family) 
 
 # The templates that write an image part of a tool message as their image placeholder, inside the result
 KEEP_TOOL_IMAGES = frozenset({"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe"})
+# Mistral 3.2's refuses a user turn after tool results: the placeholder is written in the result's text
+INLINE_TOOL_IMAGES = frozenset({"mistral3"})
 SHOT_CALL = {"id": "a1b2c3d4e", "type": "function", "function": {"name": "screenshot", "arguments": {}}}
 CALLED = [{"role": "user", "content": "Check the settings page."},
           {"role": "assistant", "content": "", "tool_calls": [SHOT_CALL]}]
+SHOT = [{"type": "text", "text": "Screenshot taken."}, {"type": "image"}]
+# These write a tool message's role but read its content as parts: without tools (no Hermes turns) its text is lost
+TOOL_ROLE_WITHOUT_TEXT = frozenset({"smolvlm", "llava"})
+
+
+def _image_tokens(family: Family, ids: list[int]) -> int:
+    return sum(i in family.prompter.media_token_ids for i in ids)  # none found for InternVL's processor
 
 
 def test_a_tool_results_image_stays_in_it_only_where_the_template_writes_it_there(family: Family) -> None:
     """Keeping templates get the image inside the result (the prompt differs from the image in a user turn
-    after it, with the same image tokens); every other template gets exactly the prompt of that user turn."""
-    inside = [*CALLED, {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": [
-        {"type": "text", "text": "Screenshot taken."}, {"type": "image"}]}]
+    after it, with the same image tokens); Mistral 3.2's, which takes no user turn there, gets it written in the
+    result's text; every other template gets exactly the prompt of that user turn."""
+    inside = [*CALLED, {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": SHOT}]
     after = [*CALLED, {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "Screenshot taken."},
              {"role": "user", "content": [{"type": "image"}]}]
     image = Image.new("RGB", (64, 48), (200, 30, 30))
-    try:
-        ids_after = family.prompter.build(after, [image]).input_ids
-    except PromptError:  # no tool turn, and strict turn order (Gemma 3's, Mistral's, Pixtral's): refused either way
-        assert family.arch not in KEEP_TOOL_IMAGES
-        with pytest.raises(PromptError):
-            family.prompter.build(inside, [image])
-        return
     ids_inside = family.prompter.build(inside, [image]).input_ids
+    if family.arch in INLINE_TOOL_IMAGES:
+        with pytest.raises(PromptError):
+            family.prompter.build(after, [image])
+        alone = family.prompter.build([{"role": "user", "content": [{"type": "image"}]}], [image]).input_ids
+        assert _image_tokens(family, ids_inside) == _image_tokens(family, alone) > 0
+        assert "[TOOL_CONTENT]Screenshot taken.[IMG]" in family.text_of(ids_inside)
+        return
+    ids_after = family.prompter.build(after, [image]).input_ids
     assert (ids_inside != ids_after) == (family.arch in KEEP_TOOL_IMAGES)
-    placeholders = family.prompter.media_token_ids  # none found for InternVL's processor
-    images_inside, images_after = (sum(i in placeholders for i in ids) for ids in (ids_inside, ids_after))
+    images_inside, images_after = _image_tokens(family, ids_inside), _image_tokens(family, ids_after)
     assert images_inside == images_after and (images_inside > 0 or family.arch not in KEEP_TOOL_IMAGES)
+
+
+@pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]], ids=["no-tools", "tools"])
+@pytest.mark.parametrize("then", [[], [{"role": "user", "content": "What do you see?"}]], ids=["last", "user-after"])
+def test_every_template_takes_a_screenshot_in_a_tool_result(family: Family, tools: Any, then: Any) -> None:
+    """Gemma 3's, Pixtral's and LLaVA-NeXT's take no tool message, and Gemma 3's and Pixtral's no two user turns
+    in a row: the result is a user turn and its image joins it. Mistral 3.2's takes no user turn after results
+    at all (mistral-common did not either before 1.11.1): a user message there stays refused."""
+    image = Image.new("RGB", (64, 48), (200, 30, 30))
+    messages = [*CALLED, {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": SHOT}, *then]
+    if then and family.arch in INLINE_TOOL_IMAGES:
+        with pytest.raises(PromptError, match="alternate"):
+            family.prompter.build(messages, [image], tools)
+        return
+    ids = family.prompter.build(messages, [image], tools).input_ids
+    text = family.text_of(ids)
+    assert "What do you see?" in text or not then
+    if family.arch != "paligemma" and (tools or family.arch not in TOOL_ROLE_WITHOUT_TEXT):  # its: the last turn
+        assert "Check the settings page." in text and "Screenshot taken." in text
+    alone = family.prompter.build([{"role": "user", "content": [{"type": "image"}]}], [image]).input_ids
+    assert _image_tokens(family, ids) == _image_tokens(family, alone)

@@ -3,8 +3,10 @@
 Published templates differ in ways that silently lose input: SmolVLM's and LLaVA's iterate
 ``message['content']`` as a list, so a plain-string message renders without its text; many
 templates (Gemma 3, LLaVA, PaliGemma, Qwen2-VL) ignore ``tools`` entirely; only some (Qwen3-VL,
-Qwen3.5, GLM-4.xV) write an image inside a tool's result. Probing once at load turns those into
-facts the prompt builder acts on, for any template.
+Qwen3.5, GLM-4.xV) write an image inside a tool's result; some refuse a turn order (Gemma 3, Pixtral and
+LLaVA-NeXT a tool message, Gemma 3 and Pixtral two user turns in a row, Mistral 3.2 a user turn after
+tool results).
+Probing once at load turns those into facts the prompt builder acts on, for any template.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 PROBE = "vlmserve-probe-7a1c"
+TEXT = {"type": "text", "text": PROBE}  # on both sides of a probe image: where its placeholder ends is plain
 PROBE_TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": "vlmserve_probe_tool", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
 
@@ -40,6 +43,9 @@ class TemplateInfo:
     nine_char_call_ids: bool = False  # Mistral's templates refuse any other tool-call id: ours are renumbered
     opens_reasoning: bool = False  # the generation prompt ends inside <think> (Qwen3.5): replies start reasoning
     tool_images: bool = False  # a tool result's images stay in its tool message; else they follow it as a user turn
+    tool_role: bool = True  # False: tool messages are refused, so results are written as user turns even without tools
+    user_runs: bool = True  # False: two user turns in a row are refused (Gemma 3, Pixtral): they are joined into one
+    tool_image_text: str = ""  # where no user turn may follow results (Mistral 3.2): an image is this text in the result
 
 
 def inspect_template(templater: Any) -> TemplateInfo:
@@ -67,21 +73,47 @@ def inspect_template(templater: Any) -> TemplateInfo:
     opens = (_render(templater, [{"role": "user", "content": "hi"}]) or "").rstrip().endswith("<think>")
     # A template with no tool syntax gets results as user turns we write (_hermes_history): images follow them
     tool_images = renders_tools and _writes_tool_images(templater)
-    return TemplateInfo(frozenset(parts_roles), renders_tools, "system" in seen, text_in_content, bool(nine_chars), opens,
-                        tool_images)
+    return _turn_order(templater, TemplateInfo(frozenset(parts_roles), renders_tools, "system" in seen, text_in_content,
+                                               bool(nine_chars), opens, tool_images))
+
+
+def _turn_order(templater: Any, info: TemplateInfo) -> TemplateInfo:
+    """Which turn orders the template refuses, probed as ``adapt_messages`` sends turns (SmolVLM's need parts)."""
+    called = _call_chat("a1b2c3d4e")
+    tool_role = _renders(templater, info, called)
+    user_runs = _renders(templater, info, [{"role": "user", "content": "hi"}, {"role": "user", "content": "ok"}])
+    results_last = tool_role and not _renders(templater, info, [*called, {"role": "user", "content": "ok"}])
+    inline = _tool_image_text(templater) if results_last and not info.tool_images else ""
+    return replace(info, tool_role=tool_role, user_runs=user_runs, tool_image_text=inline)
+
+
+def _renders(templater: Any, info: TemplateInfo, messages: list[dict[str, Any]]) -> bool:
+    return _render(templater, [_with_parts(m, info) for m in messages]) is not None
 
 
 def _writes_tool_images(templater: Any) -> bool:
     """Whether an image part in a tool message renders as the placeholder an image in a user message
     does (Qwen3.5's ``<|vision_start|><|image_pad|><|vision_end|>``), not dropped (Gemma 4) or quoted as
     data (Mistral, Llama 4, Kimi)."""
-    text = {"type": "text", "text": PROBE}  # on both sides of the image: where the placeholder ends is plain
-    without, with_image = [text, text], [text, {"type": "image"}, text]
-    placeholder = _inserted(_render(templater, [{"role": "user", "content": without}]),
-                            _render(templater, [{"role": "user", "content": with_image}]))
-    in_tool = _inserted(_render(templater, _call_chat("a1b2c3d4e", without)),
-                        _render(templater, _call_chat("a1b2c3d4e", with_image)))
+    placeholder = _image_placeholder(templater)
+    in_tool = _inserted(_render(templater, _call_chat("a1b2c3d4e", [TEXT, TEXT])),
+                        _render(templater, _call_chat("a1b2c3d4e", [TEXT, {"type": "image"}, TEXT])))
     return bool(placeholder) and in_tool == placeholder
+
+
+def _image_placeholder(templater: Any) -> str:
+    """What an image part adds to a user message (empty where the template fails or writes nothing)."""
+    return _inserted(_render(templater, [{"role": "user", "content": [TEXT, TEXT]}]),
+                     _render(templater, [{"role": "user", "content": [TEXT, {"type": "image"}, TEXT]}]))
+
+
+def _tool_image_text(templater: Any) -> str:
+    """The image placeholder, for a template that refuses a user turn after tool results but writes a result's
+    text as given (Mistral 3.2's): written there, the processor expands it as in a user turn. Mistral's own
+    format puts a tool result's images inside it (mistral-common >= 1.11.4, its v15 templates)."""
+    placeholder = _image_placeholder(templater)
+    in_tool = _render(templater, _call_chat("a1b2c3d4e", PROBE + placeholder + PROBE)) or ""
+    return placeholder if placeholder and PROBE + placeholder + PROBE in in_tool else ""
 
 
 def _inserted(before: str | None, after: str | None) -> str:
@@ -111,13 +143,15 @@ def adapt_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str,
                    instructions: str = "") -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """Messages and tools as this template needs them to lose nothing; ``instructions`` join the
     system message, wherever this template keeps it."""
-    out = list(messages) if info.tool_images else _tool_images_after(messages)
+    out = _tool_images_placed(messages, info)
     out = _renumbered_calls(out) if info.nine_char_call_ids else out
-    if tools and not info.renders_tools:
+    if not info.renders_tools and (tools or not info.tool_role):
         out = _hermes_history(out)
+    if tools and not info.renders_tools:
         preamble = HERMES_TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t) for t in tools))
         instructions = f"{preamble}\n\n{instructions}".strip()
         tools = None
+    out = out if info.user_runs else _user_runs_joined(out)
     if instructions:
         out = _with_system_text(out, instructions, info)
     return [_with_parts(m, info) for m in out], list(tools) if tools else None
@@ -130,6 +164,22 @@ def _with_parts(message: dict[str, Any], info: TemplateInfo) -> dict[str, Any]:
     if info.text_in_content and isinstance(content, list):
         content = [{**p, "content": p["text"]} if p.get("type") == "text" else p for p in content]
     return message if content is message.get("content") else {**message, "content": content}
+
+
+def _tool_images_placed(messages: Sequence[dict[str, Any]], info: TemplateInfo) -> list[dict[str, Any]]:
+    if info.tool_images:
+        return list(messages)
+    if info.tool_image_text:
+        return [_with_images_written(m, info.tool_image_text) if m["role"] == "tool" else m for m in messages]
+    return _tool_images_after(messages)
+
+
+def _with_images_written(message: dict[str, Any], placeholder: str) -> dict[str, Any]:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    text = "".join(placeholder if p.get("type") == "image" else p.get("text", "") for p in content)
+    return {**message, "content": text}
 
 
 def _tool_images_after(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -153,9 +203,32 @@ def _tool_images_after(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
 
 
 def _with_images_first(message: dict[str, Any], images: list[dict[str, Any]]) -> dict[str, Any]:
-    content = message.get("content")
-    parts = content if isinstance(content, list) else [{"type": "text", "text": content}] if content else []
-    return {**message, "content": [*images, *parts]}
+    return {**message, "content": [*images, *_parts(message.get("content"))]}
+
+
+def _user_runs_joined(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run of user turns as one: results written as user turns, the images after them, the user's words."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if out and m["role"] == "user" and out[-1]["role"] == "user":
+            first = out.pop()
+            m = {**first, "content": _joined(first.get("content"), m.get("content"))}
+        out.append(m)
+    return out
+
+
+def _joined(first: Any, then: Any) -> str | list[dict[str, Any]]:
+    """Two turns' contents as one, a blank line between their texts."""
+    if isinstance(first, str) and isinstance(then, str):
+        return f"{first}\n\n{then}"
+    head, tail = _parts(first), _parts(then)
+    if head and tail and head[-1].get("type") == tail[0].get("type") == "text":
+        return [*head[:-1], {**head[-1], "text": f"{head[-1]['text']}\n\n{tail[0]['text']}"}, *tail[1:]]
+    return [*head, *tail]
+
+
+def _parts(content: Any) -> list[dict[str, Any]]:
+    return list(content) if isinstance(content, list) else [{"type": "text", "text": content}] if content else []
 
 
 def _renumbered_calls(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
