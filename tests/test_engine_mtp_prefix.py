@@ -1,7 +1,8 @@
-"""Drafters that remember (issue 58): Qwen3.5's MTP drafter state is stored with a prompt's prefix
-(engine/mtp_prefix.py), so a second turn that reuses the first from memory, or from disk after a
-restart, drafts exactly as its cold prefill does: the same drafts at every step, the same acceptance,
-and the drafter's own KV of the row equal to the cold one's (float32 from forwards of other shapes)."""
+"""Drafters that remember (issue 58): a drafter's own state (Qwen3.5's MTP, DFlash on Qwen3.5 and on
+Gemma 4, whose caches can be cut back) is stored with a prompt's prefix (engine/mtp_prefix.py), so a
+second turn that reuses the first from memory, or from disk after a restart, drafts exactly as its cold
+prefill does: the same drafts at every step, the same acceptance, and the drafter's own KV of the row
+equal to the cold one's (float32 from forwards of other shapes)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_engine_spec_batch import GREEDY, TEXT, WHOLE, _check, _mtp, _recording, _result, _turn_two
+from test_engine_spec_batch import GREEDY, TEXT, WHOLE, _check, _dflash, _mtp, _recording, _result, _turn_two
 from test_families import Family, _start, _stop
 
 from vlmserve.engine.params import PromptInputs, SamplingParams
@@ -29,10 +30,15 @@ def _turn(family: Family, request_id: str, prompt: PromptInputs) -> tuple[object
     return result, record, m.spec_accepted_tokens - m0.spec_accepted_tokens
 
 
-@pytest.fixture(scope="module")
-def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SpeculativeConfig]:
-    target = Path(build_model("qwen3_5", "micro"))
-    return target, SpeculativeConfig(method="mtp", model=str(_mtp(tmp_path_factory, target)), adaptive=False)
+KINDS = {"mtp-qwen3_5": ("qwen3_5", "mtp", _mtp), "dflash-qwen3_5": ("qwen3_5", "dflash", _dflash),
+         "dflash-gemma4": ("gemma4", "dflash", _dflash)}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def drafted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SpeculativeConfig]:
+    arch, method, build = KINDS[request.param]
+    target = Path(build_model(arch, "micro"))
+    return target, SpeculativeConfig(method=method, model=str(build(tmp_path_factory, target)), adaptive=False)
 
 
 def test_a_reused_prefix_drafts_as_its_cold_prefill_from_memory_and_from_disk(drafted, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import LoadedModel, default_kv_budget
 from vlmserve.engine.memory import KVBudget, measure_footprint
 from vlmserve.engine.models import ModelAdapter
+from vlmserve.engine.dflash import DFlashDrafter
 from vlmserve.engine.mtp import MtpDrafter
 from vlmserve.engine.mtp_prefix import DraftPrefix
 from vlmserve.engine.params import PromptInputs, SamplingParams
@@ -89,9 +90,9 @@ def disk_tier(loaded: LoadedModel, config: EngineConfig, policy: CachePolicy,
 
 def stored_cache(loaded: LoadedModel) -> Callable[[], list[Any]]:
     """A fresh cache of what the prefix stores keep for this model: its layers, and the MTP drafter's
-    state after them where it has one (engine/mtp_prefix.py)."""
+    or DFlash drafter's state after them where it has one (engine/mtp_prefix.py)."""
     make = loaded.adapter.make_cache
-    return (lambda: [*make(), DraftPrefix()]) if isinstance(loaded.drafter, MtpDrafter) else make
+    return (lambda: [*make(), DraftPrefix()]) if isinstance(loaded.drafter, (MtpDrafter, DFlashDrafter)) else make
 
 
 def new_request(loaded: LoadedModel, request_id: str, prompt: PromptInputs, params: SamplingParams,

@@ -13,7 +13,7 @@ its positions attend to each other, so a narrower one would draft other tokens, 
 depend on how wide the widest row of its batch drafts.
 
 - **prompt:** each prefill chunk's states go into the row's context as the chunk ends (``prefill``); a prompt
-  that reuses a cached prefix gives its own positions only (the drafter's KV is not stored with prefixes);
+  that reuses a cached prefix starts from the context stored with it (engine/mtp_prefix.py);
 - **decode and verify:** each target forward leaves every row's kept positions (``after_decode``,
   ``after_verify``); they go into the context when the next step drafts, before it drafts. A step that does
   not draft drops them (the context has a gap; the positions stay right), so a step without drafts costs

@@ -1,13 +1,14 @@
-"""[worker] The MTP drafter's state of a stored prefix, kept beside the target's KV (issue 58: drafters that remember).
+"""[worker] A drafter's own state of a stored prefix, kept beside the target's KV (issue 58: drafters that remember).
 
-A prefix store keeps a prompt's KV as a list of cache layers; with Qwen3.5's MTP drafter on, one more
-"layer" ends the list: ``DraftPrefix``, the drafter's entries for the prefix's positions but its last,
-and the target's hidden state at that last position. That position's pair needs the token after the
-prefix, which is the next prompt's own (a later turn parts from this one right there), so it waits,
-as a prompt's last position waits for its first token. It travels wherever the list does: the memory
-stores (copied on reuse), eviction to the disk tier and back (``state``, ``meta_state``: the cache
-protocol ``disk_tier.to_host`` reads). A reused prefix then gives the drafter the whole context a cold
-prefill would, not only the positions after it.
+A prefix store keeps a prompt's KV as a list of cache layers; with a drafter that keeps a KV of its own
+(Qwen3.5's MTP, DFlash), one more "layer" ends the list: ``DraftPrefix``, the drafter's entries for the
+prefix's positions. DFlash's context at a position depends on the target's states there only: every
+position of the prefix is kept. The MTP drafter's entry pairs a position with the token after it, which
+for the prefix's last position is the next prompt's own (a later turn parts from this one right there):
+that position's hidden state is kept instead, and waits, as a prompt's last position waits for its
+first token. It travels wherever the list does: the memory stores (copied on reuse), eviction to the
+disk tier and back (``state``, ``meta_state``: the cache protocol ``disk_tier.to_host`` reads). A reused
+prefix then gives the drafter the whole context a cold prefill would, not only the positions after it.
 """
 
 from __future__ import annotations
@@ -20,37 +21,39 @@ from vlmserve.engine.mtp import DraftRows
 
 
 class DraftPrefix:
-    """The drafter's entries for positions ``[position - n, position)`` of one prompt (``keys``/``values``
-    per drafter layer, ``[1, kv heads, n, head dim]``) and the hidden state at ``position`` (``[1, 1, H]``);
-    empty (``hidden`` None) where the prompt had no drafter state."""
+    """A drafter's entries for one prompt's first ``end`` positions (``keys``/``values`` per drafter layer,
+    ``[1, kv heads, n, head dim]``: the newest ``n``), the MTP drafter's but the last, whose hidden state
+    (``[1, 1, H]``) waits; empty (``end`` 0) where the prompt had no drafter state."""
 
     def __init__(self, keys: list[mx.array] | None = None, values: list[mx.array] | None = None,
-                 hidden: mx.array | None = None, position: int = 0) -> None:
+                 hidden: mx.array | None = None, end: int = 0) -> None:
         self.keys, self.values = keys or [], values or []
-        self.hidden, self.position = hidden, position
+        self.hidden, self.end = hidden, end
 
     @classmethod
-    def of(cls, rows: DraftRows | None, end: int, last_hidden: mx.array | None) -> DraftPrefix:
-        """A one-row prompt state for the prefix ending at ``end``: at the prompt's end the last position
-        waits already (``rows.waiting``); inside it (a snapshot), its pair with the prompt's own next token
-        is the newest entry, dropped here, and ``last_hidden`` is the hidden state there."""
+    def of(cls, rows: DraftRows | None, end: int, waits: bool, last_hidden: mx.array | None) -> DraftPrefix:
+        """A one-row prompt state for the prefix ending at ``end``. ``waits`` (the MTP's): at the prompt's end
+        its last position waits already (``rows.waiting``); inside it (a snapshot), that position's pair with
+        the prompt's own next token is the newest entry, dropped here, and ``last_hidden`` is its hidden state."""
         if rows is None:
             return cls()
         assert len(rows) == 1
-        n, hidden = (rows.size, rows.waiting) if rows.waiting is not None else (rows.size - 1, last_hidden)
-        if hidden is None or n < 0:
-            return cls()
+        n, hidden = rows.size, None
+        if waits:
+            n, hidden = (rows.size, rows.waiting) if rows.waiting is not None else (rows.size - 1, last_hidden)
+            if hidden is None or n < 0:
+                return cls()
         keys = [k[..., :n, :] for k in rows.keys] if n else []
         values = [v[..., :n, :] for v in rows.values] if n else []
-        mx.eval(keys, values, hidden)
-        return cls(keys, values, hidden, end - 1)
+        mx.eval(keys, values, *([hidden] if hidden is not None else []))
+        return cls(keys, values, hidden, end)
 
     def rows(self, layers: int) -> DraftRows | None:
-        """The prompt's drafter state as its prefill left it before the waiting pair (None: empty)."""
-        if self.hidden is None:
+        """The prompt's drafter state as its prefill left it, the waiting position apart (None: empty)."""
+        if not self.end:
             return None
         n = self.keys[0].shape[2] if self.keys else 0
-        rows = DraftRows.start(layers, 1, self.position)
+        rows = DraftRows.start(layers, 1, self.end - (self.hidden is not None))
         if n:
             rows.keys, rows.values = list(self.keys), list(self.values)
             rows.valid, rows.size, rows.counts = mx.ones((1, n), dtype=mx.bool_), n, [n]
@@ -64,7 +67,15 @@ class DraftPrefix:
         return sum(a.nbytes for a in [*self.keys, *self.values]) + (self.hidden.nbytes if self.hidden is not None else 0)
 
     def is_trimmable(self) -> bool:
-        return False  # the waiting position is the prefix's last: cut back, it would be another's
+        return self.hidden is None  # a waiting position is the prefix's last: cut back, it would be another's
+
+    def trim(self, n: int) -> int:
+        """The last ``n`` positions cut off (a longer stored prompt serving a shorter one); returns ``n``."""
+        if self.end:
+            keep = max(0, (self.keys[0].shape[2] if self.keys else 0) - n)
+            self.keys, self.values = [k[..., :keep, :] for k in self.keys], [v[..., :keep, :] for v in self.values]
+            self.end = max(0, self.end - n)
+        return n
 
     @property
     def state(self) -> tuple[Any, ...]:
@@ -77,8 +88,8 @@ class DraftPrefix:
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        return (str(self.position),)
+        return (str(self.end),)
 
     @meta_state.setter
     def meta_state(self, value: tuple[str, ...]) -> None:
-        self.position = int(value[0])
+        self.end = int(value[0])

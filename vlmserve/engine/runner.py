@@ -180,7 +180,7 @@ class ModelRunner:
         remembered = prefix.pop() if prefix is not None and isinstance(prefix[-1], DraftPrefix) else None
         cache = prefix if prefix is not None else self.adapter.make_cache()
         row = self.prompts[new.request_id] = PromptRow(new.prompt, new.params, input_ids, cache, forks=dict(new.forks))
-        if remembered is not None and remembered.position == new.num_cached - 1:  # its pair waits for our token
+        if remembered is not None and remembered.end == new.num_cached:  # the drafter's state of the same positions
             row.draft = remembered.rows(len(self._mtp().model.layers))
         if new.params.prompt_logprobs is not None:
             assert not new.num_cached, "a scored prompt reuses no KV"
@@ -375,9 +375,10 @@ class ModelRunner:
 
     def _store(self, row: PromptRow, cache: list[Any], end: int | None = None, hidden: mx.array | None = None) -> None:
         """Keep the prompt's first ``end`` positions (None: all) in its prefix store, with the MTP drafter's
-        state of them where it has one (``hidden``: the target's at ``end - 1``, inside the prompt)."""
-        if isinstance(self.drafter, MtpDrafter):
-            cache = [*cache, DraftPrefix.of(row.draft, end or row.input_ids.shape[1], hidden)]
+        or DFlash drafter's state of them (``hidden``: the target's at ``end - 1``, inside the prompt)."""
+        if isinstance(self.drafter, (MtpDrafter, DFlashDrafter)):
+            waits = isinstance(self.drafter, MtpDrafter)  # its pairs need the next token
+            cache = [*cache, DraftPrefix.of(row.draft, end or row.input_ids.shape[1], waits, hidden)]
         self.caches.store_prefix(row.prompt, cache, end, row.params.cache_ttl_s)
 
     @contextmanager
