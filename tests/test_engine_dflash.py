@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import gather, scene
+from test_engine_speculative import Drafts, agree, batched_drafts
 from test_families import Family, _start, _stop
 
 from vlmserve.engine.loader import ModelLoadError
@@ -105,8 +106,7 @@ def test_the_dflash_drafter_drafts_what_mlx_vlms_class_drafts_over_the_whole_con
     engine = dflash.engine
     params = dataclasses.replace(GREEDY, max_tokens=16)
     prompts = [dflash.prompt(TEXT), dflash.prompt("hi"), dflash.prompt("say it: " + TEXT)]
-    theirs: dict[tuple[int, int, int], list[int]] = {}
-    ours: dict[tuple[int, int, int], list[int]] = {}
+    theirs: Drafts = {}
 
     def reference(which: int) -> None:
         assert engine.config.speculative is not None
@@ -127,33 +127,8 @@ def test_the_dflash_drafter_drafts_what_mlx_vlms_class_drafts_over_the_whole_con
 
     for which in range(len(prompts)):
         engine.worker.call(reference, which)
-    drafter = engine.loaded.drafter
-    assert drafter is not None
-    draft = drafter.draft
-
-    def recorded(batch: Any, rows: list[int], inputs: list[int], k: int) -> Any:
-        out = draft(batch, rows, inputs, k)
-        positions = batch.draft.position.tolist()
-        for i, d in out.items():
-            ours[(int(batch.request_ids[i][2:]), positions[i], inputs[i])] = list(d)
-        return out
-
-    want = [dflash.reference(p, params.max_tokens) for p in prompts]
-    asked = [params, params, dataclasses.replace(params, prediction=tuple(want[2][:7]))]
-
-    async def together() -> list[list[int]]:
-        return await asyncio.gather(*(dflash.tokens(f"dq{i}", p, q) for i, (p, q) in enumerate(zip(prompts, asked))))
-
-    drafter.draft = recorded  # type: ignore[method-assign]
-    try:
-        assert dflash.run(together()) == want
-    finally:
-        del drafter.draft
-    both = theirs.keys() & ours.keys()
-    for key in both:  # a block as wide as the drafter's trained one, both ways: ours keeps the first k
-        assert ours[key] == theirs[key][:len(ours[key])], (key, ours[key], theirs[key])
-    assert len(both) >= 25 and {w for w, _, _ in both} == {0, 1, 2}, (sorted(theirs), sorted(ours))
-    assert min(p for w, p, _ in both if w == 2) > len(prompts[2].input_ids) + 5  # after its prediction's tokens
+    # a block as wide as the drafter's trained one, both ways: ours keeps its first k
+    agree(batched_drafts(dflash, prompts, params, "dq"), theirs, prompts)
 
 
 def test_mlx_vlms_own_dflash_loop_gives_the_same_tokens(dflash: Family) -> None:

@@ -499,6 +499,50 @@ def test_the_drafter_proposes_what_mlx_vlms_own_round_loop_does(drafted: Family)
     assert agreed >= 20 and len(past) >= 5, (sorted(theirs), sorted(ours))
 
 
+# (prompt, position, input) -> the tokens drafted there
+Drafts = dict[tuple[int, int, int], list[int]]
+
+
+def batched_drafts(family: Family, prompts: list[Any], params: SamplingParams, tag: str) -> Drafts:
+    """Three prompts in one batch, the third with a right prediction of 7 tokens (its first verifies keep
+    several tokens each, which go through the drafter together): each gives the greedy reference, and each
+    step's drafts are returned by (prompt, position, input)."""
+    drafter = family.engine.loaded.drafter
+    assert drafter is not None
+    draft, ours = drafter.draft, {}
+
+    def recorded(batch: Any, rows: list[int], inputs: list[int], k: int) -> Any:
+        out = draft(batch, rows, inputs, k)
+        positions = batch.draft.position.tolist()
+        for i, d in out.items():
+            ours[(int(batch.request_ids[i][len(tag):]), positions[i], inputs[i])] = list(d)
+        return out
+
+    want = [family.reference(p, params.max_tokens) for p in prompts]
+    asked = [params, params, dataclasses.replace(params, prediction=tuple(want[2][:7]))]
+
+    async def together() -> list[list[int]]:
+        return await asyncio.gather(*(family.tokens(f"{tag}{i}", p, q) for i, (p, q) in enumerate(zip(prompts, asked))))
+
+    drafter.draft = recorded  # type: ignore[method-assign]
+    try:
+        assert family.run(together()) == want
+    finally:
+        del drafter.draft
+    return ours
+
+
+def agree(ours: Drafts, theirs: Drafts, prompts: list[Any]) -> None:
+    """Where both drafted at the same (prompt, position, input), the same tokens (as many as both have), at 25
+    points at least, on every prompt, the third's after its prediction's tokens."""
+    both = theirs.keys() & ours.keys()
+    for key in both:
+        n = min(len(ours[key]), len(theirs[key]))
+        assert ours[key][:n] == theirs[key][:n], (key, ours[key], theirs[key])
+    assert len(both) >= 25 and {w for w, _, _ in both} == {0, 1, 2}, (sorted(theirs), sorted(ours))
+    assert min(p for w, p, _ in both if w == 2) > len(prompts[2].input_ids) + 5
+
+
 @pytest.fixture(scope="module")
 def mtp_drafted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Family]:
     """Qwen3.5 with its MTP drafter, without the prefix cache: a prompt that reuses a cached prefix gives
@@ -526,8 +570,7 @@ def test_the_mtp_drafter_proposes_what_mlx_vlms_drafter_does_over_the_whole_cont
     engine = mtp_drafted.engine
     params = dataclasses.replace(GREEDY, max_tokens=16)
     prompts = [mtp_drafted.prompt(TEXT), mtp_drafted.prompt("hi"), mtp_drafted.prompt("say it: " + TEXT)]
-    theirs: dict[tuple[int, int, int], list[int]] = {}
-    ours: dict[tuple[int, int, int], list[int]] = {}
+    theirs: Drafts = {}
 
     def reference(which: int) -> None:
         assert engine.config.speculative is not None
@@ -550,37 +593,11 @@ def test_the_mtp_drafter_proposes_what_mlx_vlms_drafter_does_over_the_whole_cont
 
     for which in range(len(prompts)):
         engine.worker.call(reference, which)
-    drafter = engine.loaded.drafter
-    assert drafter is not None
-    draft = drafter.draft
-
-    def recorded(batch: Any, rows: list[int], inputs: list[int], k: int) -> Any:
-        out = draft(batch, rows, inputs, k)
-        positions = batch.draft.position.tolist()
-        for i, d in out.items():
-            ours[(int(batch.request_ids[i][2:]), positions[i], inputs[i])] = list(d)
-        return out
-
-    want = [mtp_drafted.reference(p, params.max_tokens) for p in prompts]
-    asked = [params, params, dataclasses.replace(params, prediction=tuple(want[2][:7]))]
-
-    async def together() -> list[list[int]]:
-        return await asyncio.gather(*(mtp_drafted.tokens(f"mq{i}", p, q) for i, (p, q) in enumerate(zip(prompts, asked))))
-
     m0 = mtp_drafted.engine.metrics
-    drafter.draft = recorded  # type: ignore[method-assign]
-    try:
-        assert mtp_drafted.run(together()) == want
-    finally:
-        del drafter.draft
+    ours = batched_drafts(mtp_drafted, prompts, params, "mq")
     m = mtp_drafted.engine.metrics
     assert m is not None and m0 is not None and m.spec_accepted_tokens - m0.spec_accepted_tokens >= 5
-    both = theirs.keys() & ours.keys()
-    for key in both:
-        n = min(len(ours[key]), len(theirs[key]))
-        assert ours[key][:n] == theirs[key][:n], (key, ours[key], theirs[key])
-    assert len(both) >= 25 and {w for w, _, _ in both} == {0, 1, 2}, (sorted(theirs), sorted(ours))
-    assert min(p for w, p, _ in both if w == 2) > len(prompts[2].input_ids) + 5  # after its prediction's tokens
+    agree(ours, theirs, prompts)
 
 
 def test_a_drafter_serves_a_4_bit_target(gemma4_micro: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
