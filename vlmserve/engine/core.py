@@ -13,13 +13,13 @@ from typing import Any, Protocol
 
 from vlmserve.engine.caches import CachePolicy, EngineCaches, cache_policy
 from vlmserve.engine.costs import FLOOR_TOKENS, StepCosts, measure_costs
+from vlmserve.engine.dflash import DFlashDrafter
 from vlmserve.engine.disk_store import DiskStore
 from vlmserve.engine.disk_tier import IMAGES, TEXT, DiskTier, identity, model_folder
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import LoadedModel, default_kv_budget
 from vlmserve.engine.memory import KVBudget, measure_footprint
 from vlmserve.engine.models import ModelAdapter
-from vlmserve.engine.dflash import DFlashDrafter
 from vlmserve.engine.mtp import MtpDrafter
 from vlmserve.engine.mtp_prefix import DraftPrefix
 from vlmserve.engine.params import PromptInputs, SamplingParams
