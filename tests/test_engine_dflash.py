@@ -172,3 +172,15 @@ def test_a_dflash_drafter_that_cannot_serve_is_refused_at_load_in_one_line(
 def test_dflash_needs_its_drafter() -> None:
     with pytest.raises(ValueError, match='"dflash" needs its drafter'):
         SpeculativeConfig(method="dflash")
+
+
+def test_a_dflash_drafter_reading_gemma4s_kv_sharing_layers_is_refused(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Gemma 4 E2B/E4B's last layers read earlier layers' KV and compute a prompt's last position only: a
+    drafter that reads them would get one position of a prompt's states (it failed warm-up)."""
+    from vlmserve.testing.qwen3_5 import build_dflash
+
+    target = build_model("gemma4", "micro", variant="e2b")
+    drafter = build_dflash(target, tmp_path_factory.getbasetemp() / "gemma4-e2b-dflash")
+    with pytest.raises(ModelLoadError, match="share earlier layers' KV") as caught:
+        _start(target, speculative=SpeculativeConfig(method="dflash", model=str(drafter), adaptive=False))
+    assert "\n" not in str(caught.value)

@@ -62,6 +62,11 @@ class DFlashDrafter:
         ids = list(config.target_layer_ids)
         if not ids or max(ids) >= layers or config.num_target_layers != layers:
             return f"it reads layers {ids} of {config.num_target_layers}; the target has {layers}"
+        # Gemma 4's layers that read earlier layers' KV (E2B, E4B) run a prompt's last position only
+        shared = int(getattr(target_config, "num_kv_shared_layers", 0) or 0)
+        if shared and max(ids) >= layers - shared:
+            return (f"it reads layers {ids}; the target's last {shared} share earlier layers' KV and compute a "
+                    "prompt's last position only")
         for name in ("hidden_size", "vocab_size"):
             if getattr(config, name) != getattr(target_config, name, None):
                 return f"its {name} is {getattr(config, name)}, the target's {getattr(target_config, name, None)}"
