@@ -87,10 +87,10 @@ def test_a_bad_prediction_is_a_400(spec_server):
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["--speculative-config", '{"method": "eagle3", "model": "/models/drafter"}'], "not supported yet"),
+    (["--speculative-config", '{"method": "medusa", "model": "/models/drafter"}'], "not supported yet"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 40}'], "num_speculative_tokens"),
     (["--speculative-config", "{nope"], "not JSON"),
-    (["--draft-model", "/models/drafter", "--draft-kind", "eagle3"], "not supported yet"),
+    (["--draft-model", "/models/drafter", "--draft-kind", "eagle"], "not supported yet"),
     (["--draft-kind", "mtp"], "need --draft-model"),
 ])
 def test_what_cannot_run_is_refused_at_start_up_in_one_line(args, says):

@@ -4,7 +4,10 @@ no request fails.
 
 The drafters: ngram lookups (on Gemma 4 and Qwen3.5), Gemma 4's assistant (it reads the target's KV),
 Qwen3.5's MTP (a KV of its own, filled from the target's hidden states at every prompt position) and a
-DFlash drafter for Qwen3.5 (a KV of its own from two target layers' states, a block of drafts a forward).
+DFlash drafter for Qwen3.5 (a KV of its own from two target layers' states, a block of drafts a forward)
+and a draft model for Qwen2.5-VL (a text model of its tokenizer, a KV of its own from each row's text),
+and an EAGLE-3 drafter for Gemma 4 (the MTP's pairs over three target layers' states, a hot vocabulary; on the
+e2b variant, whose six layers give it three to read).
 2-4 text and image prompts of different lengths enter at once (``_at_once`` holds the worker while they
 are posted) through each way in: one grouped left-padded prefill; pieces beside a decoding row (layer
 pieces where the family splits image prompts by layers, Gemma's; token chunks where it chunks them,
@@ -73,12 +76,25 @@ def _dflash(tmp: pytest.TempPathFactory, target: Path) -> Path:
     return build_dflash(target, tmp.getbasetemp() / f"{target.name}-dflash")
 
 
-# name -> (the target's family, its drafter model's builder; None: ngram lookups); the name's first word
-# is the method (the assistant's is mtp's)
+def _draft_model(tmp: pytest.TempPathFactory, target: Path) -> Path:
+    """A draft model of the target's tokenizer: its first layer of two (a row decodes long enough beside the
+    prompts that come in pieces; the one of every layer drafts the target's tokens, test_engine_draft_model.py)."""
+    from vlmserve.testing.draft_model import build_draft_model
+    return build_draft_model(target, tmp.getbasetemp() / f"{target.name}-draft-model", layers=1)
+
+
+def _eagle3(tmp: pytest.TempPathFactory, target: Path) -> Path:
+    from vlmserve.testing.eagle3 import build_eagle3
+    return build_eagle3(target, tmp.getbasetemp() / f"{target.name}-eagle3")
+
+
+# name -> (the target's family[:variant], its drafter model's builder; None: ngram lookups); the name's first
+# word is the method (the assistant's is mtp's)
 KINDS: dict[str, tuple[str, Callable[[pytest.TempPathFactory, Path], Path] | None]] = {
     "ngram-gemma4": ("gemma4", None), "ngram-qwen3_5": ("qwen3_5", None),
     "assistant-gemma4": ("gemma4", _assistant), "mtp-qwen3_5": ("qwen3_5", _mtp),
-    "dflash-qwen3_5": ("qwen3_5", _dflash), "dflash-gemma4": ("gemma4", _dflash)}
+    "dflash-qwen3_5": ("qwen3_5", _dflash), "dflash-gemma4": ("gemma4", _dflash),
+    "draft_model-qwen2_5_vl": ("qwen2_5_vl", _draft_model), "eagle3-gemma4": ("gemma4:e2b", _eagle3)}
 
 
 @dataclass(slots=True, frozen=True)
@@ -93,10 +109,11 @@ class Kind:
 @pytest.fixture(scope="module", params=list(KINDS))
 def kind(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Kind:
     arch, build = KINDS[request.param]
-    target = Path(build_model(arch, "micro"))
+    arch, _, variant = arch.partition(":")
+    target = Path(build_model(arch, "micro", variant=variant))
     if build is None:
         return Kind(target, SpeculativeConfig(prompt_lookup_min=1, adaptive=False))  # a draft wherever a token repeats
-    method = "dflash" if request.param.startswith("dflash") else "mtp"
+    method = {"assistant": "mtp"}.get(word := request.param.split("-")[0], word)
     return Kind(target, SpeculativeConfig(method=method, model=str(build(tmp_path_factory, target)), adaptive=False))
 
 
@@ -238,7 +255,7 @@ def _recording(family: Family, after: Callable[[_Step], None] | None = None) -> 
 
 def _own_kv(batch: Any, request_id: str) -> np.ndarray:
     """A row's entries in the MTP drafter's KV, in the order written: ``[layers, kv heads, entries, dim]``."""
-    rows, i = batch.draft, batch.request_ids.index(request_id)
+    rows, i = getattr(batch.draft, "kv", batch.draft), batch.request_ids.index(request_id)  # a draft model's: .kv
     valid = np.asarray(rows.valid[i, :rows.size])
     return np.stack([np.asarray(k[i, :, :rows.size])[:, valid] for k in rows.keys])
 

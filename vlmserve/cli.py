@@ -266,8 +266,9 @@ def _speculative_options(group: Any, serve: ServeConfig, engine: EngineConfig) -
     group.add_argument("--draft-model", default=None, metavar="PATH",
                        help='a drafter model, as mlx_vlm.server spells it: the same as \'{"method": KIND, "model": PATH}\'')
     group.add_argument("--draft-kind", default=None, metavar="KIND",
-                       help="the --draft-model's kind: mtp (Gemma 4 assistant and Qwen3.5 MTP drafters) or dflash (DFlash "
-                            "drafters for Qwen3.5 and Gemma 4); others are refused at start-up")
+                       help="the --draft-model's kind: mtp (Gemma 4 assistant and Qwen3.5 MTP drafters), dflash (DFlash "
+                            "drafters for Qwen3.5 and Gemma 4), eagle3 (EAGLE-3 drafters for Gemma 4) or draft_model "
+                            "(a small text model of the model's tokenizer); others are refused at start-up")
     group.add_argument("--draft-block-size", type=int, default=None, metavar="N",
                        help="with --draft-model: tokens per verify, the input's included (num_speculative_tokens + 1)")
 

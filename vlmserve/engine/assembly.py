@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from vlmserve.engine.caches import cache_policy
 from vlmserve.engine.core import EngineCore
+from vlmserve.engine.drafter import Drafter
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.kv_quant import kv_quant_for
 from vlmserve.engine.loader import LoadedModel, ModelLoadError, configure_process, load_drafter, load_model
@@ -158,7 +159,7 @@ def load_for_serving(spec: str, name: str | None, config: EngineConfig) -> Assem
         for owner in {id(o): o for o in (loaded.processor, loaded.tokenizer)}.values():
             owner.chat_template = config.chat_template
     adapter = loaded.adapter
-    reads_target = loaded.drafter is not None and not loaded.drafter.reads_prompt  # Gemma 4's assistant
+    reads_target = isinstance(loaded.drafter, Drafter)  # Gemma 4's assistant reads the target's KV
     adapter.kv_quant, off = kv_quant_for(adapter.make_cache(), config.kv_bits, config.kv_group_size,
                                          config.quantized_kv_start, adapter.packs_kv, reads_target, config.pipeline)
     return Assembled(loaded, stage, off)

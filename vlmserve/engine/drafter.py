@@ -1,7 +1,8 @@
 """[worker] A drafter model beside the target, on the worker: mlx-vlm's own drafter classes.
 
-Three run here: Gemma 4's assistant (this module), Qwen3.5's MTP (engine/mtp.py, which keeps a KV of its
-own) and DFlash (engine/dflash.py, a KV of its own from several target layers). ``load`` picks by the
+Four run here: Gemma 4's assistant (this module), Qwen3.5's MTP (engine/mtp.py, which keeps a KV of its
+own), DFlash (engine/dflash.py, a KV of its own from several target layers) and EAGLE-3 (engine/eagle3.py,
+the MTP's bookkeeping over three target layers' states). ``load`` picks by the
 drafter's model type; the runner talks to each the same way (``hidden_sink``/``recorded`` around a target
 forward, ``after_decode``/``after_verify``, ``draft``).
 
@@ -27,6 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from vlmserve.engine.dflash import DFlashDrafter
+from vlmserve.engine.draft_model import DraftModel
+from vlmserve.engine.eagle3 import Eagle3Drafter
 from vlmserve.engine.models import ModelAdapter
 from vlmserve.engine.mtp import MtpDrafter
 
@@ -35,7 +38,8 @@ if TYPE_CHECKING:
 
 # Drafter model types this server runs, and the target families they pair with, by kind (the method).
 SUPPORTED = {"mtp": {"gemma4_assistant": ("gemma4",), "qwen3_5_mtp": ("qwen3_5",)},
-             "dflash": {"qwen3_dflash": ("qwen3_5",), "gemma4_dflash": ("gemma4",)}}
+             "dflash": {"qwen3_dflash": ("qwen3_5",), "gemma4_dflash": ("gemma4",)},
+             "eagle3": {"eagle3": ("gemma4",)}}
 
 
 class DrafterError(ValueError):
@@ -85,7 +89,8 @@ class Drafter:
         except ValueError as exc:
             raise DrafterError(f"drafter {path!r} does not fit {name}: {exc}") from exc
         lm = adapter.language_model
-        if kind == "dflash" and (unfit := DFlashDrafter.unfit(model, _text_config(target), adapter.num_layers)):
+        fits = {"dflash": DFlashDrafter.unfit, "eagle3": Eagle3Drafter.unfit}.get(kind)
+        if fits is not None and (unfit := fits(model, _text_config(target), adapter.num_layers)):
             raise DrafterError(f"drafter {path!r} does not fit {name}: {unfit}")
         model.set_dtype(lm.model.norm.weight.dtype)  # the target's serving dtype (quantized or not: its norm's)
         model.reset(target)  # binds it: the target's embedding table (and head) are its own
@@ -93,6 +98,8 @@ class Drafter:
             return MtpDrafter(model, adapter)
         if kind == "dflash":
             return DFlashDrafter(model, adapter)
+        if kind == "eagle3":
+            return Eagle3Drafter(model, adapter)
         sources: dict[str, int] = {}
         for i, layer in enumerate(lm.model.layers):  # the last layer of each type; a KV-shared one reads its source's
             sources[layer.layer_type] = lm.model.previous_kvs[i]
@@ -211,4 +218,4 @@ def _text_config(target: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
-AnyDrafter = Drafter | MtpDrafter | DFlashDrafter
+AnyDrafter = Drafter | MtpDrafter | DFlashDrafter | DraftModel

@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from vlmserve.engine.draft_model import DraftModel, DraftModelError
 from vlmserve.engine.drafter import AnyDrafter, Drafter, DrafterError
 from vlmserve.engine.engine_config import DEFAULT_DTYPE, DTYPES
 from vlmserve.engine.models import ModelAdapter, UnsupportedModelError, adapter_for
@@ -258,7 +259,9 @@ def load_drafter(spec: SpeculativeConfig, loaded: LoadedModel, pipeline: bool) -
     if not loaded.adapter.verifies_drafts:
         raise ModelLoadError(f"{loaded.name}: {loaded.model_type} does not verify drafts, so a drafter cannot serve it")
     try:
+        if spec.method == "draft_model" and spec.model is not None:
+            return DraftModel.load(spec.model, loaded.model, loaded.tokenizer, loaded.name)
         return Drafter.load(spec.model or str(loaded.path), loaded.model, loaded.model_type, loaded.name,
                             loaded.adapter, own=spec.model is None, kind=spec.method)
-    except DrafterError as exc:
+    except (DrafterError, DraftModelError) as exc:
         raise ModelLoadError(str(exc)) from None

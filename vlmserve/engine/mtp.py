@@ -288,10 +288,7 @@ class MtpDrafter:
                  compact: bool = True) -> None:
         """Pairs (``tokens`` ``[B, L]``, target ``hidden`` ``[B, L, H]``) at each row's next positions, the
         first ``lengths[row]`` of them real (None: all); appends their entries and sets each row's seed."""
-        model = self.model
         batch, width = tokens.shape
-        embed = model._input_embed(tokens) * model._input_embed_scale
-        h = model.fc(mx.concatenate([model.pre_fc_norm_embedding(embed), model.pre_fc_norm_hidden(hidden)], -1))
         column = mx.arange(width)
         real = mx.array(lengths, dtype=mx.int32)[:, None, None] if lengths is not None else mx.array(width)
         # Each query sees the row's entries, and the new columns up to itself that are real (a padding
@@ -301,11 +298,7 @@ class MtpDrafter:
         old = rows.valid[:, None, :rows.size]
         seen = mx.concatenate([mx.broadcast_to(old, (batch, width, rows.size)),
                                mx.broadcast_to(new, (batch, width, width))], axis=-1)
-        mask = mx.where(seen, 0.0, -mx.inf).astype(h.dtype)[:, None]
-        positions = rows.position[:, None] + column[None, :]
-        for i, layer in enumerate(model.layers):
-            h = layer(h, mask=mask, cache=_Columns(rows, i), position_ids=positions)
-        out = model.norm(h)
+        out = self._layers(rows, tokens, hidden, seen[:, None])
         used = lengths if lengths is not None else [width] * batch
         rows.valid[:, rows.size:rows.size + width] = column[None, :] < mx.array(used)[:, None]
         rows.size += width
@@ -318,6 +311,18 @@ class MtpDrafter:
             rows.seed = mx.where(mx.array(used)[:, None, None] > 0, last, rows.seed)
         if compact:  # not between a draft's forwards: their columns are dropped by size
             rows.compact()
+
+    def _layers(self, rows: DraftRows, tokens: mx.array, hidden: mx.array, seen: mx.array) -> mx.array:
+        """The drafter's layers over pairs at each row's next positions (``seen`` ``[B, 1, W, size + W]``: what
+        each one attends to), their entries written into ``rows``; the output its head reads, a row's seed."""
+        model = self.model
+        embed = model._input_embed(tokens) * model._input_embed_scale
+        h = model.fc(mx.concatenate([model.pre_fc_norm_embedding(embed), model.pre_fc_norm_hidden(hidden)], -1))
+        mask = mx.where(seen, 0.0, -mx.inf).astype(h.dtype)
+        positions = rows.position[:, None] + mx.arange(tokens.shape[1])[None, :]
+        for i, layer in enumerate(model.layers):
+            h = layer(h, mask=mask, cache=_Columns(rows, i), position_ids=positions)
+        return cast(mx.array, model.norm(h))
 
 
 def _rows(batch: DecodeBatch) -> DraftRows:

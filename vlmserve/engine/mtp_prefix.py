@@ -67,14 +67,17 @@ class DraftPrefix:
         return sum(a.nbytes for a in [*self.keys, *self.values]) + (self.hidden.nbytes if self.hidden is not None else 0)
 
     def is_trimmable(self) -> bool:
-        return self.hidden is None  # a waiting position is the prefix's last: cut back, it would be another's
+        return True
 
     def trim(self, n: int) -> int:
-        """The last ``n`` positions cut off (a longer stored prompt serving a shorter one); returns ``n``."""
+        """The last ``n`` positions cut off (a longer stored prompt serving a shorter one); returns ``n``. A waiting
+        position's state is the old last one's: dropped, so the new last position has no entry (a gap in the
+        drafter's context; the drafts are still verified). Only a family whose caches trim gets here (Gemma 4's,
+        with an EAGLE-3 drafter), never Qwen3.5's."""
         if self.end:
             keep = max(0, (self.keys[0].shape[2] if self.keys else 0) - n)
             self.keys, self.values = [k[..., :keep, :] for k in self.keys], [v[..., :keep, :] for v in self.values]
-            self.end = max(0, self.end - n)
+            self.end, self.hidden = max(0, self.end - n), None if n else self.hidden
         return n
 
     @property

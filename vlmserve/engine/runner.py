@@ -31,6 +31,7 @@ from vlmserve.engine import guided
 from vlmserve.engine.batch import DecodeBatch
 from vlmserve.engine.caches import EngineCaches
 from vlmserve.engine.dflash import DFlashDrafter
+from vlmserve.engine.draft_model import DraftModel, ModelRows
 from vlmserve.engine.kv_quant import merge_rows
 from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.models import Embedded
@@ -303,7 +304,8 @@ class ModelRunner:
         rows = 1 + len(forks)  # n > 1: the prompt's KV and state copied into a row per fork
         row_state = {k: mx.concatenate([v] * rows) if rows > 1 else v for k, v in embedded.row_state.items()}
         inputs = self._inputs(firsts, rows)
-        draft = self._mtp().first([row.draft], [inputs]) if row.draft is not None else None
+        draft = self._mtp().first([row.draft], [inputs]) if row.draft is not None else \
+            self._enter_draft([row], [inputs])
         join = partial(self._join, ids, [merge_rows(c, rows) for c in row.cache], row_state, sampling, inputs, draft)
         if chunk.hold:  # the row waits out of the decode batch until a plan joins it
             self.prompts.pop(chunk.request_id, None)
@@ -368,7 +370,8 @@ class ModelRunner:
         for i, chunk in enumerate(chunks):
             if chunk.store_prefix:  # a row of the batch serves a later prompt as if it had been alone
                 self._store(rows[i], [c.extract(request_ids.index(chunk.request_id)) for c in cache])
-        inputs, draft = self._inputs(firsts, len(rows)), None
+        inputs = self._inputs(firsts, len(rows))
+        draft: DraftRows | ModelRows | None = self._enter_draft(rows, [[t] for t in inputs])
         if states:
             draft = self._mtp().first([cast(DraftRows, r.draft) for r in rows], [[t] for t in inputs])
         self._join(request_ids, cache, row_state, sampling, inputs, draft)
@@ -393,6 +396,11 @@ class ModelRunner:
             yield states
         finally:
             self.adapter.hidden_sink = None  # read or not, the forwards after these record nothing
+
+    def _enter_draft(self, rows: list[PromptRow], inputs: list[list[int]]) -> ModelRows | None:
+        """A draft model's rows for prompts joining the batch (``inputs``: each one's first tokens); None for
+        any other drafter."""
+        return self.drafter.enter([r.input_ids for r in rows], inputs) if isinstance(self.drafter, DraftModel) else None
 
     def _mtp(self) -> MtpDrafter | DFlashDrafter:
         """The drafter with a KV of its own (the MTP's or DFlash's; the same calls)."""
@@ -423,7 +431,7 @@ class ModelRunner:
         return [s.token_id for s in firsts] if firsts is not None else [0] * rows
 
     def _join(self, request_ids: list[str], cache: list[Any], row_state: dict[str, mx.array],
-              sampling: list[RowState], inputs: list[int], draft: DraftRows | None = None) -> None:
+              sampling: list[RowState], inputs: list[int], draft: DraftRows | ModelRows | None = None) -> None:
         """Prefilled prompts become the decode batch's last rows, each with its first input."""
         for request_id in request_ids:
             self.prompts.pop(request_id, None)  # a fork (n > 1) had no prompt row of its own

@@ -15,7 +15,11 @@ the output is the target's, token for token. Three sources:
   target: Gemma 4's assistant drafters (engine/drafter.py) and Qwen3.5's MTP (engine/mtp.py). Without
   ``model``, the MTP layers the served checkpoint carries (a Qwen3.5's), as vLLM reads them;
 - ``dflash`` (``{"method": "dflash", "model": DIR}``, ``--draft-kind dflash``): a DFlash drafter
-  (engine/dflash.py), a block of drafts in one forward from several target layers' hidden states.
+  (engine/dflash.py), a block of drafts in one forward from several target layers' hidden states;
+- ``eagle3`` (``{"method": "eagle3", "model": DIR}``, ``--draft-kind eagle3``): an EAGLE-3 drafter
+  (engine/eagle3.py), a decoder layer of its own fed with three target layers' hidden states;
+- ``draft_model`` (``{"method": "draft_model", "model": DIR}``, mlx-lm's ``--draft-model``): a small
+  model of the target's tokenizer (engine/draft_model.py), a whole model's forward per draft token.
 
 Speculating costs a verify forward ``k + 1`` positions wide per row, and ends the decode pipeline
 for the step (the next input is known only once the acceptance is read). ``DraftPolicy`` picks the
@@ -35,10 +39,10 @@ import numpy as np
 if TYPE_CHECKING:
     from vlmserve.engine.costs import StepCosts
 
-METHODS = ("ngram", "mtp", "dflash")
-DRAFTERS = ("mtp", "dflash")  # the methods whose drafts a drafter model makes
+METHODS = ("ngram", "mtp", "dflash", "eagle3", "draft_model")
+DRAFTERS = ("mtp", "dflash", "eagle3", "draft_model")  # the methods whose drafts a drafter model makes
 # Named by vLLM and mlx_vlm.server, and not run here (yet): refused at start-up, in one line.
-UNSUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "medusa")
+UNSUPPORTED_METHODS = ("eagle", "medusa")
 PRIOR_ACCEPTED, PRIOR_DRAFTED = 1.0, 2.0  # a row's acceptance before it has any: 0.5, weighed as 2 tokens
 _FORGET = 0.9  # each verify, a row's acceptance counts weigh this much less (recent behaviour wins)
 
@@ -64,9 +68,10 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; one of {', '.join(METHODS)}")
         if self.method not in DRAFTERS and self.model is not None:
-            raise ValueError(f'"model" names a drafter, which method {self.method!r} has none of; use "mtp" or "dflash"')
-        if self.method == "dflash" and self.model is None:
-            raise ValueError('"dflash" needs its drafter: "model" (--draft-model)')
+            raise ValueError(f'"model" names a drafter, which method {self.method!r} has none of; use one of '
+                             f'{", ".join(DRAFTERS)}')
+        if self.method in ("dflash", "eagle3", "draft_model") and self.model is None:
+            raise ValueError(f'"{self.method}" needs its drafter: "model" (--draft-model)')
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
