@@ -111,3 +111,12 @@ def test_text_format_json_schema_is_enforced(demo_client):
     r = demo_client.responses.parse(model=DEFAULT_MODEL_NAME, input=_image_input("Describe one shape."), text_format=Shape,
                                temperature=0, max_output_tokens=60)
     assert isinstance(r.output_parsed, Shape)
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_parallel_tool_calls_is_echoed_as_asked(demo_client, parallel):
+    tools = [{"type": "function", "name": "look", "parameters": {"type": "object", "properties": {}}}]
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    r = demo_client.responses.create(model=DEFAULT_MODEL_NAME, input="hi", tools=tools, max_output_tokens=2,
+                                     store=False, **extra)
+    assert r.parallel_tool_calls is (parallel is not False)

@@ -116,3 +116,19 @@ def test_a_call_cut_by_the_token_limit_says_length_and_stays_what_the_model_wrot
     choice = builder.response(builder.finish_reason("length"), False)["choices"][0]
     assert choice["finish_reason"] == "length" and not choice["message"].get("tool_calls")
     assert choice["message"]["content"] == "Let me check." + cut[len("Let me check."):]
+
+
+TWO_CALLS = ("<|tool_call>call:get_weather{location:<|\"|>Tokyo<|\"|>}<tool_call|>"
+             "<|tool_call>call:get_weather{location:<|\"|>Paris<|\"|>}<tool_call|>")
+
+
+@pytest.mark.parametrize("one_call", [False, True])
+def test_parallel_tool_calls_false_keeps_the_first_call_streamed_and_whole(tokenizer, one_call):
+    """``parallel_tool_calls: false`` (Codex sends it; Anthropic's ``disable_parallel_tool_use``): a reply's
+    first call only, in the stream and in the whole reply, as vLLM does."""
+    builder = ChoiceBuilder("chatcmpl-x", "m", tokenizer, "gemma4", WEATHER, one_call=one_call)
+    streamed = [c for out in _outputs(tokenizer, TWO_CALLS) for c in builder.step(out).tool_calls]
+    whole = builder.response(builder.finish_reason("stop"), False)["choices"][0]["message"]["tool_calls"]
+    places = [json.loads(c["function"]["arguments"])["location"] for c in whole]
+    assert places == (["Tokyo"] if one_call else ["Tokyo", "Paris"])
+    assert {c["index"] for c in streamed} == ({0} if one_call else {0, 1})

@@ -79,6 +79,7 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletion
         body["tools"] = [_tool(t, f"tools.{i}") for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
         body["tool_choice"] = _tool_choice(req.tool_choice)
+        body["parallel_tool_calls"] = False if req.tool_choice.get("disable_parallel_tool_use") else None
     return chat_request(body)
 
 

@@ -185,7 +185,8 @@ async def _open(req: ChatCompletionRequest, http: Request, state: ServerState, r
         timing.record("disconnected", {})
         return None
     return Call(state, served, req, flight, first, timing, [
-        Fork(i, ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools, opens_reasoning, i))
+        Fork(i, ChoiceBuilder(request_id, served.name, tokenizer, served.tool_parser, chat.tools, opens_reasoning, i,
+                              one_call=req.parallel_tool_calls is False))
         for i in range(n)])
 
 

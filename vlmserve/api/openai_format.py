@@ -55,8 +55,10 @@ class ChoiceBuilder:
     """Turns each step's output into content, tool-call deltas and logprobs, exactly once."""
 
     def __init__(self, request_id: str, model: str, tokenizer: Any, parser: str | None,
-                 tools: list[dict[str, Any]] | None, reasoning_opened: bool = False, index: int = 0) -> None:
+                 tools: list[dict[str, Any]] | None, reasoning_opened: bool = False, index: int = 0,
+                 one_call: bool = False) -> None:
         self.id, self.model, self.created, self.index = request_id, model, int(time.time()), index
+        self._one_call = one_call  # parallel_tool_calls false: a reply's first call only (vLLM's rule)
         self._tokenizer = tokenizer
         self._parser = ToolCallStreamParser(parser, tools) if parser and tools else None
         self._reasoning = ReasoningSplitter(reasoning_opened)
@@ -76,7 +78,7 @@ class ChoiceBuilder:
         for event in events:
             if isinstance(event, ContentDelta):
                 delta.content += event.text
-            elif isinstance(event, ToolCallDelta):
+            elif isinstance(event, ToolCallDelta) and not (self._one_call and event.index > 0):
                 delta.tool_calls.append(event.to_openai())
         self.content += delta.content
         self.reasoning += delta.reasoning
@@ -89,7 +91,8 @@ class ChoiceBuilder:
     @property
     def calls(self) -> list[Any]:
         """The tool calls parsed so far (``ToolCall``: name, arguments_json, id)."""
-        return self._parser.calls if self._parser else []
+        calls = self._parser.calls if self._parser else []
+        return calls[:1] if self._one_call else calls
 
     def finish_reason(self, engine_reason: str | None) -> str:
         """``length`` whenever the token limit ended it, calls or not (a cut call is not one)."""

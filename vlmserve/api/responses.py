@@ -83,7 +83,7 @@ class _Shape:
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
             "output": output, "error": error, "instructions": req.instructions, "metadata": req.metadata or {},
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "tools": req.tools or [], "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": True,
+            "tools": req.tools or [], "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
             "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
             "store": False, "text": req.text or {"format": {"type": "text"}},
             "usage": _usage(usage) if usage and status != "in_progress" else None,

@@ -59,6 +59,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         _add_item(messages, item, f"input.{i}")
     body: dict[str, Any] = {"model": req.model, "messages": _one_system_message(messages), "stream": req.stream,
                             "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                            "parallel_tool_calls": req.parallel_tool_calls,
                             "chat_template_kwargs": _template_kwargs(req.reasoning, req.chat_template_kwargs)}
     body.update(extensions(req.model_extra, body))
     if req.tools:

@@ -153,6 +153,7 @@ class ChatCompletionRequest(SamplingFields):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's: each prompt token's, and k best
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call a reply (the first the model writes)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # the chat template's own variables (enable_thinking)
