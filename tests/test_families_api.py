@@ -182,5 +182,39 @@ def test_a_screenshot_in_a_tool_result_reaches_every_family(server, client, mode
     else:
         turn = functools.partial(_chat_turn if api == "chat" else _responses_turn, client, model, url)
     text_only = turn(image=False, tools=False)
+    if arch == "paligemma":  # its template keeps the last turn only: the picture's user turn, not the result
+        assert turn(image=True, tools=False) == turn(image=True, tools=True) != text_only
+        return
     assert turn(image=True, tools=False) > text_only
     assert turn(image=True, tools=True) > text_only
+
+
+def _replayed_turn(server: ServerProcess, model: str, tools: bool, region: str = "top", result: str = "Done.",
+                   words: str = "") -> int:
+    """Claude Code's shape: a user message of the tool_result and, with ``words``, a text block after it."""
+    import anthropic
+
+    function = SCREENSHOT_TOOL["function"]
+    offered = [{"name": function["name"], "description": function["description"],
+                "input_schema": function["parameters"]}] if tools else anthropic.NOT_GIVEN
+    use = {"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {"region": region}}
+    blocks = [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result},
+              *([{"type": "text", "text": words}] if words else [])]
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    usage = claude.messages.create(model=model, max_tokens=1, tools=offered, messages=[
+        ASKED, {"role": "assistant", "content": [use]}, {"role": "user", "content": blocks}]).usage
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["no-tools", "tools"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_call_its_result_and_the_users_words_reach_every_family(server, models, arch: str,  # noqa: ANN001
+                                                                    tools: bool) -> None:
+    """Each adds its tokens. Without tools (a follow-up turn, a harness replaying history) Qwen2-VL's, LFM2-VL's and
+    InternVL's templates dropped the call, SmolVLM's and LLaVA's the result too; Mistral 3.2's refused the user's
+    words after a result (a 400, "roles must alternate"). PaliGemma's keeps the last turn only: not the call."""
+    turn = functools.partial(_replayed_turn, server, models[arch].name, tools)
+    base = turn()
+    assert turn(result="Done. The settings page shows three toggles, all switched off.") > base
+    assert turn(words="Now open the network tab and look for failed requests.") > turn(words="Go on.")
+    assert turn(region="the whole window, including the browser's address bar") > base or arch == "paligemma"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from vlmserve.preprocess.prompt import PromptBuilder, PromptError, tokenizer_of
+from vlmserve.preprocess.prompt import PromptBuilder, tokenizer_of
 from vlmserve.preprocess.template import TemplateInfo
 from vlmserve.testing import ARCHS, build_model
 from vlmserve.testing.tool_tuning import AFTER_CALL, WEATHER_TOOL
@@ -18,23 +18,24 @@ from vlmserve.testing.tool_tuning import AFTER_CALL, WEATHER_TOOL
 ALL = frozenset({"system", "user", "assistant"})
 # What each published template needs; anything not listed is a template that needs no help.
 EXPECTED = {
-    "gemma3": TemplateInfo(renders_tools=False, tool_role=False, user_runs=False),
-    "qwen2_vl": TemplateInfo(renders_tools=False),
-    "qwen2_5_vl": TemplateInfo(renders_tools=False),
+    "gemma3": TemplateInfo(renders_tools=False, renders_calls=False, user_runs=False),
+    "qwen2_vl": TemplateInfo(renders_tools=False, renders_calls=False),
+    "qwen2_5_vl": TemplateInfo(renders_tools=False, renders_calls=False),
     "qwen3_vl": TemplateInfo(tool_images=True),
     "qwen3_vl_moe": TemplateInfo(tool_images=True),
     "qwen3_5": TemplateInfo(opens_reasoning=True, tool_images=True),
     "qwen3_5_moe": TemplateInfo(opens_reasoning=True, tool_images=True),
     "glm4v": TemplateInfo(tool_images=True),
     "glm4v_moe": TemplateInfo(tool_images=True),
-    "mistral3": TemplateInfo(nine_char_call_ids=True, user_runs=False, tool_image_text="[IMG]"),
-    "pixtral": TemplateInfo(renders_tools=False, text_in_content=True, tool_role=False, user_runs=False),
-    "smolvlm": TemplateInfo(parts_roles=ALL, renders_tools=False),
-    "paligemma": TemplateInfo(renders_tools=False, system_role=False),
-    "llava": TemplateInfo(parts_roles=ALL, renders_tools=False),
-    "llava_next": TemplateInfo(parts_roles=ALL, renders_tools=False, tool_role=False),
-    "lfm2_vl": TemplateInfo(renders_tools=False),
-    "internvl_chat": TemplateInfo(renders_tools=False),
+    "mistral3": TemplateInfo(nine_char_call_ids=True, user_runs=False, user_after_results=False,
+                             tool_image_text="[IMG]"),
+    "pixtral": TemplateInfo(renders_tools=False, text_in_content=True, renders_calls=False, user_runs=False),
+    "smolvlm": TemplateInfo(parts_roles=ALL, renders_tools=False, renders_calls=False),
+    "paligemma": TemplateInfo(renders_tools=False, system_role=False, renders_calls=False),
+    "llava": TemplateInfo(parts_roles=ALL, renders_tools=False, renders_calls=False),
+    "llava_next": TemplateInfo(parts_roles=ALL, renders_tools=False, renders_calls=False),
+    "lfm2_vl": TemplateInfo(renders_tools=False, renders_calls=False),
+    "internvl_chat": TemplateInfo(renders_tools=False, renders_calls=False),
 }
 
 
@@ -74,19 +75,24 @@ def test_tools_reach_every_prompt(family: Family) -> None:
     assert "get_weather" in text and "Current weather for a city." in text
 
 
-def test_a_finished_tool_call_and_its_result_reach_the_prompt(family: Family) -> None:
+@pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]], ids=["no-tools", "tools"])
+def test_a_finished_tool_call_and_its_result_reach_the_prompt(family: Family, tools: Any) -> None:
+    """With tools or without (a client's follow-up turn, a harness replaying history): without, Qwen2-VL's,
+    LFM2-VL's and InternVL's templates wrote the call as an empty assistant turn, SmolVLM's and LLaVA's the
+    result as ``Tool: <end_of_utterance>`` too."""
     from vlmserve.api.messages import to_chat_input
     from vlmserve.api.schemas import ChatCompletionRequest
     from vlmserve.preprocess.media import MediaPolicy
 
-    history = [*AFTER_CALL[:2], {**AFTER_CALL[2], "tool_calls": [{**AFTER_CALL[2]["tool_calls"][0], "id": "call_x"}]},
-               {**AFTER_CALL[3], "tool_call_id": "call_x"}]  # an id Mistral's templates would refuse
+    call = {**AFTER_CALL[2]["tool_calls"][0], "id": "call_x",  # an id Mistral's templates would refuse
+            "function": {"name": "get_weather", "arguments": '{"location": "Ulaanbaatar"}'}}
+    history = [*AFTER_CALL[:2], {**AFTER_CALL[2], "tool_calls": [call]}, {**AFTER_CALL[3], "tool_call_id": "call_x"}]
     chat = to_chat_input(ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": history, "tools": [WEATHER_TOOL]}), MediaPolicy(max_images=0))
+        {"model": "m", "messages": history, **({"tools": tools} if tools else {})}), MediaPolicy(max_images=0))
     text = family.text(chat.messages, chat.tools)
     assert "21 degrees and sunny" in text
     if family.arch != "paligemma":  # its template keeps the last turn only
-        assert "Tokyo" in text
+        assert "get_weather" in text and "Ulaanbaatar" in text
 
 
 def test_instructions_land_where_the_template_keeps_system_text(family: Family) -> None:
@@ -95,14 +101,13 @@ def test_instructions_land_where_the_template_keeps_system_text(family: Family) 
 
 # The templates that write an image part of a tool message as their image placeholder, inside the result
 KEEP_TOOL_IMAGES = frozenset({"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe"})
-# Mistral 3.2's refuses a user turn after tool results: the placeholder is written in the result's text
+# Mistral 3.2's refuses a user turn after tool results: the placeholder is written in the result's text, and the
+# user's words after results join the last one
 INLINE_TOOL_IMAGES = frozenset({"mistral3"})
-SHOT_CALL = {"id": "a1b2c3d4e", "type": "function", "function": {"name": "screenshot", "arguments": {}}}
+SHOT_CALL = {"id": "a1b2c3d4e", "type": "function", "function": {"name": "screenshot", "arguments": {"region": "top-left"}}}
 CALLED = [{"role": "user", "content": "Check the settings page."},
           {"role": "assistant", "content": "", "tool_calls": [SHOT_CALL]}]
 SHOT = [{"type": "text", "text": "Screenshot taken."}, {"type": "image"}]
-# These write a tool message's role but read its content as parts: without tools (no Hermes turns) its text is lost
-TOOL_ROLE_WITHOUT_TEXT = frozenset({"smolvlm", "llava"})
 
 
 def _image_tokens(family: Family, ids: list[int]) -> int:
@@ -112,17 +117,18 @@ def _image_tokens(family: Family, ids: list[int]) -> int:
 def test_a_tool_results_image_stays_in_it_only_where_the_template_writes_it_there(family: Family) -> None:
     """Keeping templates get the image inside the result (the prompt differs from the image in a user turn
     after it, with the same image tokens); Mistral 3.2's, which takes no user turn there, gets it written in the
-    result's text; every other template gets exactly the prompt of that user turn."""
+    result's text (and the user turn after it joins the result); every other template gets exactly the prompt of
+    that user turn."""
     inside = [*CALLED, {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": SHOT}]
     after = [*CALLED, {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "Screenshot taken."},
              {"role": "user", "content": [{"type": "image"}]}]
     image = Image.new("RGB", (64, 48), (200, 30, 30))
     ids_inside = family.prompter.build(inside, [image]).input_ids
     if family.arch in INLINE_TOOL_IMAGES:
-        with pytest.raises(PromptError):
-            family.prompter.build(after, [image])
+        ids_after = family.prompter.build(after, [image]).input_ids
+        assert "[TOOL_CONTENT]Screenshot taken.\n\n[IMG]" in family.text_of(ids_after)
         alone = family.prompter.build([{"role": "user", "content": [{"type": "image"}]}], [image]).input_ids
-        assert _image_tokens(family, ids_inside) == _image_tokens(family, alone) > 0
+        assert _image_tokens(family, ids_inside) == _image_tokens(family, ids_after) == _image_tokens(family, alone) > 0
         assert "[TOOL_CONTENT]Screenshot taken.[IMG]" in family.text_of(ids_inside)
         return
     ids_after = family.prompter.build(after, [image]).input_ids
@@ -133,20 +139,35 @@ def test_a_tool_results_image_stays_in_it_only_where_the_template_writes_it_ther
 
 @pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]], ids=["no-tools", "tools"])
 @pytest.mark.parametrize("then", [[], [{"role": "user", "content": "What do you see?"}]], ids=["last", "user-after"])
-def test_every_template_takes_a_screenshot_in_a_tool_result(family: Family, tools: Any, then: Any) -> None:
+@pytest.mark.parametrize("shot", [SHOT, [{"type": "image"}]], ids=["text-image", "image-only"])
+def test_every_template_takes_a_screenshot_in_a_tool_result(family: Family, tools: Any, then: Any, shot: Any) -> None:
     """Gemma 3's, Pixtral's and LLaVA-NeXT's take no tool message, and Gemma 3's and Pixtral's no two user turns
     in a row: the result is a user turn and its image joins it. Mistral 3.2's takes no user turn after results
-    at all (mistral-common did not either before 1.11.1): a user message there stays refused."""
+    (mistral-common did not either before 1.11.1): the user's words join the result. Without tools, SmolVLM's
+    refused an image-only result ("str object has no element 0"), and lost a result's text with LLaVA's."""
     image = Image.new("RGB", (64, 48), (200, 30, 30))
-    messages = [*CALLED, {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": SHOT}, *then]
-    if then and family.arch in INLINE_TOOL_IMAGES:
-        with pytest.raises(PromptError, match="alternate"):
-            family.prompter.build(messages, [image], tools)
-        return
+    messages = [*CALLED, {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": shot}, *then]
     ids = family.prompter.build(messages, [image], tools).input_ids
     text = family.text_of(ids)
     assert "What do you see?" in text or not then
-    if family.arch != "paligemma" and (tools or family.arch not in TOOL_ROLE_WITHOUT_TEXT):  # its: the last turn
-        assert "Check the settings page." in text and "Screenshot taken." in text
+    if family.arch != "paligemma":  # its template keeps the last turn only
+        assert "Check the settings page." in text and "top-left" in text  # the call's argument
+        assert "Screenshot taken." in text or shot is not SHOT
     alone = family.prompter.build([{"role": "user", "content": [{"type": "image"}]}], [image]).input_ids
     assert _image_tokens(family, ids) == _image_tokens(family, alone)
+
+
+def test_the_users_words_after_tool_results_reach_every_template(family: Family) -> None:
+    """Claude Code's shape: tool_result blocks and a text block in one user message. Mistral 3.2's template takes
+    no user turn after results (was a 400, "roles must alternate"): the words join the last result."""
+    calls = [{**SHOT_CALL, "id": f"a1b2c3d4{i}"} for i in range(2)]
+    messages = [CALLED[0], {"role": "assistant", "content": "", "tool_calls": calls},
+                *[{"role": "tool", "tool_call_id": f"a1b2c3d4{i}", "content": f"Shot {i} taken."} for i in range(2)],
+                {"role": "user", "content": [{"type": "text", "text": "What do you see?"}]}]
+    text = family.text(messages)
+    assert "What do you see?" in text
+    if family.arch in INLINE_TOOL_IMAGES:
+        assert "[TOOL_CONTENT]Shot 0 taken.[/TOOL_RESULTS]" in text
+        assert "[TOOL_CONTENT]Shot 1 taken.\n\nWhat do you see?[/TOOL_RESULTS]" in text
+    elif family.arch != "paligemma":
+        assert "Shot 0 taken." in text and "Shot 1 taken." in text

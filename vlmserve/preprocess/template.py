@@ -2,35 +2,28 @@
 
 Published templates differ in ways that silently lose input: SmolVLM's and LLaVA's iterate
 ``message['content']`` as a list, so a plain-string message renders without its text; many
-templates (Gemma 3, LLaVA, PaliGemma, Qwen2-VL) ignore ``tools`` entirely; only some (Qwen3-VL,
-Qwen3.5, GLM-4.xV) write an image inside a tool's result; some refuse a turn order (Gemma 3, Pixtral and
-LLaVA-NeXT a tool message, Gemma 3 and Pixtral two user turns in a row, Mistral 3.2 a user turn after
+templates (Gemma 3, LLaVA, PaliGemma, Qwen2-VL) ignore ``tools`` entirely, and write an earlier call without
+its name and arguments (Qwen2-VL, LFM2-VL, InternVL) or its result without its text (SmolVLM, LLaVA); only some
+(Qwen3-VL, Qwen3.5, GLM-4.xV) write an image inside a tool's result; some refuse a turn order (Gemma 3, Pixtral
+and LLaVA-NeXT a tool message, Gemma 3 and Pixtral two user turns in a row, Mistral 3.2 a user turn after
 tool results).
 Probing once at load turns those into facts the prompt builder acts on, for any template.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from vlmserve.preprocess.hermes import hermes_history, text_of, tools_preamble
+
 PROBE = "vlmserve-probe-7a1c"
+PROBE_ARGUMENT = "vlmserve-argument-3f9b"  # a probe call's argument: its rendering must keep the call's words
 TEXT = {"type": "text", "text": PROBE}  # on both sides of a probe image: where its placeholder ends is plain
 PROBE_TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": "vlmserve_probe_tool", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
-
-# Hermes-style tool use, as Qwen2.5's template writes it: for templates with no tool syntax.
-HERMES_TOOLS_PREAMBLE = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
-)
-
 
 @dataclass(slots=True, frozen=True)
 class TemplateInfo:
@@ -43,8 +36,10 @@ class TemplateInfo:
     nine_char_call_ids: bool = False  # Mistral's templates refuse any other tool-call id: ours are renumbered
     opens_reasoning: bool = False  # the generation prompt ends inside <think> (Qwen3.5): replies start reasoning
     tool_images: bool = False  # a tool result's images stay in its tool message; else they follow it as a user turn
-    tool_role: bool = True  # False: tool messages are refused, so results are written as user turns even without tools
+    # False: a call and its result are refused or lose their words: both are written as plain turns even without tools
+    renders_calls: bool = True
     user_runs: bool = True  # False: two user turns in a row are refused (Gemma 3, Pixtral): they are joined into one
+    user_after_results: bool = True  # False (Mistral 3.2): a user turn after tool results joins the last result
     tool_image_text: str = ""  # where no user turn may follow results (Mistral 3.2): an image is this text in the result
 
 
@@ -71,7 +66,8 @@ def inspect_template(templater: Any) -> TemplateInfo:
     text_in_content = PROBE not in by_text and PROBE in by_content
     nine_chars = _render(templater, _call_chat("call_probe_7a1c")) is None and _render(templater, _call_chat("a1b2c3d4e"))
     opens = (_render(templater, [{"role": "user", "content": "hi"}]) or "").rstrip().endswith("<think>")
-    # A template with no tool syntax gets results as user turns we write (_hermes_history): images follow them
+    # A template with no tool syntax, or one losing calls, gets results as user turns we write (hermes_history):
+    # images follow them
     tool_images = renders_tools and _writes_tool_images(templater)
     return _turn_order(templater, TemplateInfo(frozenset(parts_roles), renders_tools, "system" in seen, text_in_content,
                                                bool(nine_chars), opens, tool_images))
@@ -80,11 +76,20 @@ def inspect_template(templater: Any) -> TemplateInfo:
 def _turn_order(templater: Any, info: TemplateInfo) -> TemplateInfo:
     """Which turn orders the template refuses, probed as ``adapt_messages`` sends turns (SmolVLM's need parts)."""
     called = _call_chat("a1b2c3d4e")
-    tool_role = _renders(templater, info, called)
+    calls = _renders_calls(templater, info)
     user_runs = _renders(templater, info, [{"role": "user", "content": "hi"}, {"role": "user", "content": "ok"}])
-    results_last = tool_role and not _renders(templater, info, [*called, {"role": "user", "content": "ok"}])
+    results_last = calls and not _renders(templater, info, [*called, {"role": "user", "content": "ok"}])
     inline = _tool_image_text(templater) if results_last and not info.tool_images else ""
-    return replace(info, tool_role=tool_role, user_runs=user_runs, tool_image_text=inline)
+    return replace(info, tool_images=info.tool_images and calls, renders_calls=calls, user_runs=user_runs,
+                   user_after_results=not results_last, tool_image_text=inline)
+
+
+def _renders_calls(templater: Any, info: TemplateInfo) -> bool:
+    """Whether a call's arguments and its result's text reach the prompt (Qwen2-VL's drops the call, SmolVLM's
+    and LLaVA's both, Gemma 3's refuses the tool message): else both are ours to write."""
+    called = _call_chat("a1b2c3d4e", PROBE, {"q": PROBE_ARGUMENT})
+    text = _render(templater, [_with_parts(m, info) for m in called]) or ""
+    return PROBE in text and PROBE_ARGUMENT in text
 
 
 def _renders(templater: Any, info: TemplateInfo, messages: list[dict[str, Any]]) -> bool:
@@ -125,8 +130,9 @@ def _inserted(before: str | None, after: str | None) -> str:
     return after[head:len(after) - tail]
 
 
-def _call_chat(call_id: str, result: str | list[dict[str, Any]] = "ok") -> list[dict[str, Any]]:
-    call = {"id": call_id, "type": "function", "function": {"name": "vlmserve_probe_tool", "arguments": {}}}
+def _call_chat(call_id: str, result: str | list[dict[str, Any]] = "ok",
+               arguments: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    call = {"id": call_id, "type": "function", "function": {"name": "vlmserve_probe_tool", "arguments": arguments or {}}}
     return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": call_id, "content": result}]
 
@@ -145,11 +151,11 @@ def adapt_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str,
     system message, wherever this template keeps it."""
     out = _tool_images_placed(messages, info)
     out = _renumbered_calls(out) if info.nine_char_call_ids else out
-    if not info.renders_tools and (tools or not info.tool_role):
-        out = _hermes_history(out)
+    if not info.renders_calls or (tools and not info.renders_tools):
+        out = hermes_history(out)
+    out = out if info.user_after_results else _user_words_in_results(out, info.tool_image_text)
     if tools and not info.renders_tools:
-        preamble = HERMES_TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t) for t in tools))
-        instructions = f"{preamble}\n\n{instructions}".strip()
+        instructions = f"{tools_preamble(tools)}\n\n{instructions}".strip()
         tools = None
     out = out if info.user_runs else _user_runs_joined(out)
     if instructions:
@@ -206,6 +212,25 @@ def _with_images_first(message: dict[str, Any], images: list[dict[str, Any]]) ->
     return {**message, "content": [*images, *_parts(message.get("content"))]}
 
 
+def _user_words_in_results(messages: list[dict[str, Any]], placeholder: str) -> list[dict[str, Any]]:
+    """A user turn right after tool results, for a template that takes none there (Mistral 3.2): its words join
+    the last result after a blank line, its images written as ``placeholder`` (none known: the turn stays)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if out and out[-1]["role"] == "tool" and m["role"] == "user" and _writable(m, placeholder):
+            words = _with_images_written(m, placeholder)["content"]
+            out[-1] = {**out[-1], "content": _joined(out[-1].get("content"), words)}
+            continue
+        out.append(m)
+    return out
+
+
+def _writable(message: dict[str, Any], placeholder: str) -> bool:
+    """Whether a message's content can be written as text: text parts, and images where a placeholder is known."""
+    content, kinds = message.get("content"), {"text", "image"} if placeholder else {"text"}
+    return not isinstance(content, list) or all(p.get("type") in kinds for p in content)
+
+
 def _user_runs_joined(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each run of user turns as one: results written as user turns, the images after them, the user's words."""
     out: list[dict[str, Any]] = []
@@ -247,39 +272,6 @@ def _renumbered_calls(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
             m = {**m, "tool_call_id": renamed(m.get("tool_call_id"))}
         out.append(m)
     return out
-
-
-def _hermes_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Earlier tool calls and results as plain turns (Qwen2.5's rendering), for templates that drop them."""
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(_hermes_call(c["function"]) for c in m["tool_calls"])
-            text = text_of(m.get("content"))
-            out.append({"role": "assistant", "content": f"{text}\n{calls}".strip()})
-        elif m["role"] == "tool":
-            response = f"<tool_response>\n{text_of(m.get('content'))}\n</tool_response>"
-            if out and out[-1]["role"] == "user" and out[-1].get("from_tool"):
-                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + response}
-            else:
-                out.append({"role": "user", "content": response, "from_tool": True})
-        else:
-            out.append(m)
-    return [{k: v for k, v in m.items() if k != "from_tool"} for m in out]
-
-
-def _hermes_call(function: dict[str, Any]) -> str:
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        arguments = json.loads(arguments or "{}")
-    return "<tool_call>\n" + json.dumps({"name": function["name"], "arguments": arguments}) + "\n</tool_call>"
-
-
-def text_of(content: Any) -> str:
-    """The text of a message's content, string or parts."""
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content or ""
 
 
 def _with_system_text(messages: list[dict[str, Any]], text: str, info: TemplateInfo) -> list[dict[str, Any]]:

@@ -78,8 +78,8 @@ def _with_format_ids(prompter: Any, messages: list[dict[str, Any]]) -> list[dict
 
 
 def _example(prompter: Any, history: list[dict[str, Any]], answer: dict[str, Any], eos_ids: frozenset[int]) -> Example:
+    from vlmserve.preprocess.hermes import text_of
     from vlmserve.preprocess.prompt import tokenizer_of
-    from vlmserve.preprocess.template import text_of
 
     prompt, prompt_text = _render(prompter, history, generation_prompt=True)
     answered, answered_text = _render(prompter, [*history, answer], generation_prompt=False)
