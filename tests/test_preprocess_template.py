@@ -36,6 +36,8 @@ EXPECTED = {
     "llava_next": TemplateInfo(parts_roles=ALL, renders_tools=False, renders_calls=False),
     "lfm2_vl": TemplateInfo(renders_tools=False, renders_calls=False),
     "internvl_chat": TemplateInfo(renders_tools=False, renders_calls=False),
+    "llama4": TemplateInfo(tools_first_text=True, image_text="<|image|>"),
+    "kimi_vl": TemplateInfo(ids_as_names=True),
 }
 
 
@@ -93,6 +95,19 @@ def test_a_finished_tool_call_and_its_result_reach_the_prompt(family: Family, to
     assert "21 degrees and sunny" in text
     if family.arch != "paligemma":  # its template keeps the last turn only
         assert "get_weather" in text and "Ulaanbaatar" in text
+
+
+@pytest.mark.parametrize("system", [[], [{"role": "system", "content": "Be brief."}]], ids=["no-system", "system"])
+def test_the_first_user_turns_parts_reach_the_prompt_with_tools(family: Family, system: Any) -> None:
+    """Llama 4's template writes the first user turn into its tools preamble as ``content|trim``: parts were
+    written as Python data (``[{'type': 'text', ...}]``) and an image was a 400 ("Found 0 placeholders")."""
+    image = Image.new("RGB", (64, 48), (200, 30, 30))
+    first = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "zebra crossing at noon"}]}
+    ids = family.prompter.build([*system, first], [image], [WEATHER_TOOL]).input_ids
+    text = family.text_of(ids)
+    assert "zebra crossing at noon" in text and "'type'" not in text
+    alone = family.prompter.build([{"role": "user", "content": [{"type": "image"}]}], [image]).input_ids
+    assert _image_tokens(family, ids) == _image_tokens(family, alone)
 
 
 def test_instructions_land_where_the_template_keeps_system_text(family: Family) -> None:

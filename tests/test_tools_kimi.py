@@ -4,18 +4,24 @@ real output path."""
 
 from __future__ import annotations
 
+import importlib
 import json
+from typing import Any
 
 import pytest
 from conftest import reply_message
 
 from tests.test_tools_gemma4 import WEATHER
 from vlmserve.frontend.reasoning import ReasoningSplitter
+from vlmserve.preprocess.prompt import PromptBuilder, tokenizer_of
 from vlmserve.preprocess.tool_grammar import tool_call_lark
+from vlmserve.testing import build_model
 from vlmserve.testing.templates import published_template
+from vlmserve.testing.tool_tuning import WEATHER_TOOL
 from vlmserve.tools import ToolCallDelta, ToolCallStreamParser, parse_tool_calls, select_parser
 
 BEGIN, END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+WEATHER_TOOLS = [WEATHER_TOOL, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
 
 
 def one(call_id: str, arguments: str) -> str:
@@ -107,3 +113,47 @@ def test_a_reply_thinks_then_calls_through_the_real_output_path() -> None:
     (got,) = message["tool_calls"]
     assert got["id"] == "functions.get_weather:0" and got["function"]["name"] == "get_weather"
     assert json.loads(got["function"]["arguments"]) == {"location": "Tokyo"}
+
+
+@pytest.fixture(scope="module")
+def kimi_prompter() -> Any:
+    from mlx_vlm.utils import load_processor
+
+    importlib.import_module("mlx_vlm.models.kimi_vl")  # registers mlx-vlm's KimiVLProcessor
+    return PromptBuilder.for_processor(load_processor(build_model("kimi_vl", "micro"), add_detokenizer=False))
+
+
+def _prompt(prompter: Any, messages: list[dict[str, Any]]) -> str:
+    ids = prompter.build(messages, [], WEATHER_TOOLS).input_ids
+    return str(tokenizer_of(prompter.processor).decode(ids, skip_special_tokens=False))
+
+
+def _turn(call_id: str, city: str, name: str = "get_weather") -> list[dict[str, Any]]:
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps({"location": city})}}
+    return [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call_id, "content": f"Sunny in {city}."}]
+
+
+def test_a_clients_call_ids_become_kimis_in_the_prompt(kimi_prompter: Any) -> None:
+    """Kimi's template writes a call's id where the model reads its name: Claude Code's ``toolu_...`` and OpenAI's
+    ``call_...`` (here reused, as some clients do) were written there, the name lost. IDX counts the conversation's
+    calls, as Moonshot's own ids do."""
+    history = [{"role": "user", "content": "Weather?"}, *_turn("toolu_01XyZ", "Tokyo"), *_turn("call_0", "Paris"),
+               *_turn("call_0", "Oslo", "get_time")]
+    text = _prompt(kimi_prompter, history)
+    for index, (name, city) in enumerate([("get_weather", "Tokyo"), ("get_weather", "Paris"), ("get_time", "Oslo")]):
+        call_id = f"functions.{name}:{index}"
+        assert f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>" in text
+        assert f"## Return of {call_id}\n    Sunny in {city}." in text
+    assert "toolu_" not in text and "call_0" not in text
+
+
+def test_the_calls_this_server_returns_come_back_byte_identical(kimi_prompter: Any) -> None:
+    """A reply's calls through the real output path, sent back as the client's history: the prompt writes the
+    section exactly as the model did."""
+    reply = section(one("functions.get_weather:0", '{"location": "Tokyo"}'),
+                    one("functions.get_weather:1", '{"location": "Paris"}'))
+    message = reply_message("kimi_vl", "kimi", reply + "[EOS]", WEATHER)
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": "Sunny."} for c in message["tool_calls"]]
+    text = _prompt(kimi_prompter, [{"role": "user", "content": "Weather?"}, {**message, "content": ""}, *results])
+    assert reply in text and "## Return of functions.get_weather:1" in text

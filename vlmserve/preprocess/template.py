@@ -6,7 +6,8 @@ templates (Gemma 3, LLaVA, PaliGemma, Qwen2-VL) ignore ``tools`` entirely, and w
 its name and arguments (Qwen2-VL, LFM2-VL, InternVL) or its result without its text (SmolVLM, LLaVA); only some
 (Qwen3-VL, Qwen3.5, GLM-4.xV) write an image inside a tool's result; some refuse a turn order (Gemma 3, Pixtral
 and LLaVA-NeXT a tool message, Gemma 3 and Pixtral two user turns in a row, Mistral 3.2 a user turn after
-tool results).
+tool results); with tools, Llama 4's writes the first user turn as a string (parts as Python data, no image);
+Kimi's writes a call's id where the model reads its name.
 Probing once at load turns those into facts the prompt builder acts on, for any template.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from vlmserve.preprocess.call_ids import named_call_ids, renumbered_calls
 from vlmserve.preprocess.hermes import hermes_history, text_of, tools_preamble
 
 PROBE = "vlmserve-probe-7a1c"
@@ -41,6 +43,11 @@ class TemplateInfo:
     user_runs: bool = True  # False: two user turns in a row are refused (Gemma 3, Pixtral): they are joined into one
     user_after_results: bool = True  # False (Mistral 3.2): a user turn after tool results joins the last result
     tool_image_text: str = ""  # where no user turn may follow results (Mistral 3.2): an image is this text in the result
+    # With tools, the first turn is written as the string of its content (Llama 4's ``messages[0]['content']|trim``
+    # writes a list as Python data): we write its parts as one string, an image as ``image_text``
+    tools_first_text: bool = False
+    image_text: str = ""  # what an image part writes in a user turn, where we write one ourselves
+    ids_as_names: bool = False  # a call's id is written where its name belongs (Kimi's): ids become functions.NAME:IDX
 
 
 def inspect_template(templater: Any) -> TemplateInfo:
@@ -69,8 +76,9 @@ def inspect_template(templater: Any) -> TemplateInfo:
     # A template with no tool syntax, or one losing calls, gets results as user turns we write (hermes_history):
     # images follow them
     tool_images = renders_tools and _writes_tool_images(templater)
-    return _turn_order(templater, TemplateInfo(frozenset(parts_roles), renders_tools, "system" in seen, text_in_content,
-                                               bool(nine_chars), opens, tool_images))
+    info = TemplateInfo(frozenset(parts_roles), renders_tools, "system" in seen, text_in_content, bool(nine_chars),
+                        opens, tool_images)
+    return _call_shapes(templater, _turn_order(templater, info))
 
 
 def _turn_order(templater: Any, info: TemplateInfo) -> TemplateInfo:
@@ -82,6 +90,17 @@ def _turn_order(templater: Any, info: TemplateInfo) -> TemplateInfo:
     inline = _tool_image_text(templater) if results_last and not info.tool_images else ""
     return replace(info, tool_images=info.tool_images and calls, renders_calls=calls, user_runs=user_runs,
                    user_after_results=not results_last, tool_image_text=inline)
+
+
+def _call_shapes(templater: Any, info: TemplateInfo) -> TemplateInfo:
+    """Where the template writes a request's content in a form of its own: the first turn with tools
+    (Llama 4's: as a string), a call as its id alone (Kimi's)."""
+    first = [{"role": "user", "content": [TEXT]}]
+    as_data = str(first[0]["content"]) in (_render(templater, first, [PROBE_TOOL]) or "")
+    called = _render(templater, _call_chat("a1b2c3d4e")) or ""
+    by_id = "a1b2c3d4e" in called and PROBE_TOOL["function"]["name"] not in called
+    return replace(info, tools_first_text=as_data, image_text=_image_placeholder(templater) if as_data else "",
+                   ids_as_names=by_id)
 
 
 def _renders_calls(templater: Any, info: TemplateInfo) -> bool:
@@ -150,7 +169,8 @@ def adapt_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str,
     """Messages and tools as this template needs them to lose nothing; ``instructions`` join the
     system message, wherever this template keeps it."""
     out = _tool_images_placed(messages, info)
-    out = _renumbered_calls(out) if info.nine_char_call_ids else out
+    out = renumbered_calls(out) if info.nine_char_call_ids else out
+    out = named_call_ids(out) if info.ids_as_names else out
     if not info.renders_calls or (tools and not info.renders_tools):
         out = hermes_history(out)
     out = out if info.user_after_results else _user_words_in_results(out, info.tool_image_text)
@@ -160,7 +180,9 @@ def adapt_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str,
     out = out if info.user_runs else _user_runs_joined(out)
     if instructions:
         out = _with_system_text(out, instructions, info)
-    return [_with_parts(m, info) for m in out], list(tools) if tools else None
+    out = [_with_parts(m, info) for m in out]
+    out = _first_turn_written(out, info.image_text) if tools and info.tools_first_text else out
+    return out, list(tools) if tools else None
 
 
 def _with_parts(message: dict[str, Any], info: TemplateInfo) -> dict[str, Any]:
@@ -256,22 +278,14 @@ def _parts(content: Any) -> list[dict[str, Any]]:
     return list(content) if isinstance(content, list) else [{"type": "text", "text": content}] if content else []
 
 
-def _renumbered_calls(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Tool-call ids as the k-th call of the conversation (``c00000001``...): nine alphanumerics
-    whatever the client sent, and the same prompt for the same conversation."""
-    ids: dict[str, str] = {}
-
-    def renamed(call_id: str | None) -> str:
-        return ids.setdefault(call_id or f"missing-{len(ids)}", f"c{len(ids) + 1:08d}")
-
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**c, "id": renamed(c.get("id"))} for c in m["tool_calls"]]}
-        elif m["role"] == "tool":
-            m = {**m, "tool_call_id": renamed(m.get("tool_call_id"))}
-        out.append(m)
-    return out
+def _first_turn_written(messages: list[dict[str, Any]], placeholder: str) -> list[dict[str, Any]]:
+    """The first turn after the system message as one string, for a template that writes it as a string when
+    tools are offered (Llama 4's): its text parts joined as the template joins them, an image as ``placeholder``,
+    which the processor expands as in any user turn (none known: the turn stays)."""
+    i = 1 if messages and messages[0]["role"] == "system" else 0
+    if i >= len(messages) or not isinstance(messages[i].get("content"), list) or not _writable(messages[i], placeholder):
+        return messages
+    return [*messages[:i], _with_images_written(messages[i], placeholder), *messages[i + 1:]]
 
 
 def _with_system_text(messages: list[dict[str, Any]], text: str, info: TemplateInfo) -> list[dict[str, Any]]:
