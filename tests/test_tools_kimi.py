@@ -64,6 +64,13 @@ def test_calls_carry_the_ids_kimis_template_writes_back() -> None:
     assert [c.id for c in calls] == ["functions.a:0", "functions.b:1"]
 
 
+def test_the_ids_the_model_wrote_are_kept() -> None:
+    """Kimi counts the conversation's calls: a third turn's call is ``:3``, and the history sent back must say
+    so; a call the model wrote without the form gets one by its place in the reply."""
+    _, calls = parse_tool_calls(section(one("functions.a:3", "{}"), one("b", "{}")), None, "kimi")
+    assert [c.id for c in calls] == ["functions.a:3", "functions.b:1"]
+
+
 @pytest.mark.parametrize("size", [1, 3, 7])
 def test_streamed_in_pieces_gives_the_same_call(size: int) -> None:
     text = "Let me check." + section(one("functions.get_weather:0", '{"location": "Tokyo", "days": 2}'))

@@ -85,6 +85,9 @@ class ToolFormat:
     # The id of a reply's ``index``-th call where the format's templates write ids the model reads back
     # (Kimi's ``functions.NAME:IDX``); None: an opaque one (``new_call_id``)
     call_id: Callable[[str, int], str] | None = None
+    # The ids the model wrote for a body's calls, in order (None where it wrote none of the format's form): kept
+    # as the calls' ids, so that the history sent back holds what the model wrote (Kimi's global call counter)
+    written_ids: Callable[[str], list[str | None]] | None = None
 
 
 # JSON's number grammar: a zip code like 02134 stays a string.

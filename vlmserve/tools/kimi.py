@@ -43,8 +43,15 @@ def _read_call(call_id: str, arguments: str) -> RawCall:
 
 
 def call_id(name: str, index: int) -> str:
-    """The id Kimi's templates write for a reply's ``index``-th call."""
+    """The id Kimi's templates write for a reply's ``index``-th call, where the model wrote none of that form."""
     return f"functions.{name}:{index}"
 
 
-FORMAT = ToolFormat(name="kimi", start=START, end=END, parse_body=parse_body, call_id=call_id)
+def written_ids(body: str) -> list[str | None]:
+    """The ids the model wrote, as it wrote them where they are ``functions.NAME:IDX`` (IDX counts the
+    conversation's calls, as Moonshot trains it: the history sent back must hold the same)."""
+    return [m.group(1).strip() if _WRITTEN.fullmatch(m.group(1).strip()) else None for m in _CALL.finditer(body)]
+
+
+_WRITTEN = re.compile(r"functions\.[^\s:]+:\d+")
+FORMAT = ToolFormat(name="kimi", start=START, end=END, parse_body=parse_body, call_id=call_id, written_ids=written_ids)

@@ -94,11 +94,12 @@ class ToolCallStreamParser:
     def _end_call(self, body: str, closing: str, events: list[StreamEvent]) -> None:
         try:
             raw_calls = self._format.parse_body(body)
-            make_id = self._format.call_id
+            make_id, read = self._format.call_id, self._format.written_ids
+            written = read(body) if read else [None] * len(raw_calls)
             calls = [
                 ToolCall(name, check_call(name, args, self._tools),
-                         make_id(name, len(self.calls) + i) if make_id else new_call_id())
-                for i, (name, args) in enumerate(raw_calls)
+                         given or (make_id(name, len(self.calls) + i) if make_id else new_call_id()))
+                for i, ((name, args), given) in enumerate(zip(raw_calls, written))
             ]
         except ToolParseError:
             self._content(self._format.start + body + closing, events)
