@@ -138,6 +138,12 @@ def _models_options(group: Any, serve: ServeConfig, engine: EngineConfig) -> Non
     group.add_argument("--idle-unload-s", type=float, default=serve.idle_unload_s, metavar="S",
                        help=f"unload a model of --model-dir nobody has used for S seconds; 0: never (default: "
                             f"{serve.idle_unload_s:g})")
+    group.add_argument("--task", default=engine.task, choices=["auto", "generate", "embed", "score"],
+                       help="what every --model serves: generate (chat), embed (/v1/embeddings) or score "
+                            "(/v1/rerank), as vLLM's --task; auto: read from each model's files (default: auto)")
+    group.add_argument("--runner", default=None, choices=["auto", "generate", "pooling"],
+                       help="vLLM's newer spelling: pooling serves every --model as an embedding model or, where its "
+                            "files say so, a reranker")
     group.add_argument("--dtype", default=engine.dtype, choices=DTYPES, help=DTYPE_HELP)
     group.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                        help="a Jinja chat template (a file, or the template itself) that replaces every model's own")
@@ -413,6 +419,7 @@ def _engine_config(args: argparse.Namespace, template: str | None, speculative: 
         kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
         prefix_cache_dir=str(args.prefix_cache_dir) if args.prefix_cache_dir else None,
         prefix_cache_disk_bytes=int(args.prefix_cache_disk_gb * 2**30),
+        task="pooling" if args.runner == "pooling" else args.task if args.runner in (None, "auto") else args.runner,
     )
 
 

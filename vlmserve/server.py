@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -48,8 +49,10 @@ def build_state(config: ServeConfig) -> ServerState:
                         decoding=DecodeBudget(config.decode_pixels))
     state = ServerState(served, media, config)
     if config.model_dirs:
+        found = dataclasses.replace(config.engine, task="auto")  # --task names the --model ones; these say by their files
+
         def new_engine(path: str, name: str) -> AsyncEngine:
-            engine = AsyncEngine(path, name, config.engine, pool, images)
+            engine = AsyncEngine(path, name, found, pool, images)
             state.metrics.watch(name, engine)
             return engine
 
@@ -145,8 +148,6 @@ def freeze_heap() -> None:
 def serve_rank(config: ServeConfig) -> int:
     """One rank of an ``mlx.launch`` group: rank 0 serves HTTP with the model split across every rank
     (engine/pipeline.py); the others hold their layers and follow rank 0's steps until it stops."""
-    import dataclasses
-
     from vlmserve.engine.pipeline import group
 
     world = group()

@@ -25,6 +25,7 @@ from vlmserve.api.anthropic_input import CountTokensRequest, MessagesRequest
 from vlmserve.api.chat import create_chat_completion
 from vlmserve.api.completions import CompletionRequest, create_completion
 from vlmserve.api.errors import APIError, first_line, install_error_handlers, log_rejection
+from vlmserve.api.pooling import EmbeddingsRequest, RerankRequest, create_embeddings, rerank
 from vlmserve.api.responses import create_response
 from vlmserve.api.responses_input import ResponsesRequest
 from vlmserve.api.schemas import ChatCompletionRequest
@@ -160,7 +161,7 @@ def _model_routes(app: FastAPI, state: ServerState) -> None:
             extra |= {"adapter": info.adapter, **({"untested": list(info.untested)} if info.untested else {})}
         return {"id": served.name, "object": "model", "created": info.created if info is not None else 0, "owned_by": "vlmserve",
                 "root": engine.model_spec, "parent": None, "max_model_len": limit, "status": status,
-                "pinned": served.pinned, **extra}
+                "pinned": served.pinned, "kind": engine.kind, **extra}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -171,7 +172,7 @@ def _model_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/models/load")
     async def load(body: ModelAction) -> dict[str, Any]:
         """Load a model of --model-dir now (as its first request would); answers once it is loaded."""
-        served = await state.acquire(body.model)
+        served = await state.acquire(body.model, kind=None)
         state.release(served)
         return card(served)
 
@@ -211,6 +212,15 @@ def _api_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await create_completion(body, request, state)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingsRequest) -> dict[str, Any]:
+        return await create_embeddings(body, state)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")  # Jina's and Cohere's clients' path
+    async def rerank_(body: RerankRequest) -> dict[str, Any]:
+        return await rerank(body, state)
 
 
 def _ollama_routes(app: FastAPI, state: ServerState) -> None:
@@ -312,7 +322,7 @@ class RequireKey:
 def _keyed(path: str) -> bool:
     """The paths the API key guards: the APIs (Ollama's ``/api/`` too), and the tokenizer (it runs phase 1, images
     and all)."""
-    return path.startswith(("/v1/", "/api/")) or path in ("/tokenize", "/detokenize", "/tokenizer_info")
+    return path.startswith(("/v1/", "/api/")) or path in ("/tokenize", "/detokenize", "/tokenizer_info", "/rerank")
 
 
 async def _reject(error: APIError, scope: dict[str, Any], receive: Any, send: Any,

@@ -112,10 +112,12 @@ class ServerState:
     def _find(self, name: str) -> ServedModel | None:
         return next((m for m in self.models if name == m.name or name in m.aliases), None)
 
-    async def acquire(self, name: str | None = None) -> ServedModel:
-        """The model ``name`` (None: the first), loaded, with a lease on it: ``release`` it once the request
-        is submitted (or failed), so that it is never unloaded in between."""
-        served = self.model(name) if name else self.models[0] if self.models else self.model("")
+    async def acquire(self, name: str | None = None, kind: str | None = "generate") -> ServedModel:
+        """The model ``name`` (None: the first of ``kind``), loaded, with a lease on it: ``release`` it once the
+        request is submitted (or failed), so that it is never unloaded in between. A model of another kind than
+        the endpoint's (``generate``, ``embed``, ``score``; None: any) is a 400 naming both."""
+        served = self.model(name) if name else self._first(kind)
+        _check_kind(served, kind)
         served.leases += 1
         try:
             if not served.pinned and self.registry is not None:
@@ -127,14 +129,18 @@ class ServerState:
             raise
         return served
 
+    def _first(self, kind: str | None) -> ServedModel:
+        return next((m for m in self.models if kind in (None, m.engine.kind)), None) or \
+            (self.models[0] if self.models else self.model(""))
+
     def release(self, served: ServedModel) -> None:
         served.leases -= 1
         served.last_used = time.monotonic()
 
     @asynccontextmanager
-    async def using(self, name: str | None) -> AsyncIterator[ServedModel]:
+    async def using(self, name: str | None, kind: str | None = "generate") -> AsyncIterator[ServedModel]:
         """``acquire`` for the block's length."""
-        served = await self.acquire(name)
+        served = await self.acquire(name, kind)
         try:
             yield served
         finally:
@@ -157,6 +163,19 @@ class ServerState:
         """Every pinned model serves (the on-demand ones load when asked), and there is a model to serve."""
         serves = bool(self.pinned) or self.registry is not None
         return serves and not self.draining and all(m.engine.ready for m in self.pinned)
+
+
+_SERVES = {"generate": "chat and completions", "embed": "/v1/embeddings", "score": "/v1/rerank"}
+_KIND_NAMES = {"generate": "a generative (chat)", "embed": "an embedding", "score": "a reranker (score)"}
+
+
+def _check_kind(served: ServedModel, kind: str | None) -> None:
+    """A request to a model of another kind: 400, naming the model's kind and what it serves."""
+    if kind is None or served.engine.kind == kind:
+        return
+    has = served.engine.kind
+    raise APIError(400, f"model {served.name!r} is {_KIND_NAMES[has]} model: it serves {_SERVES[has]}, not "
+                   f"{_SERVES[kind]}", "invalid_request_error", "model", "wrong_model_kind")
 
 
 def _not_ready(engine: AsyncEngine) -> None:

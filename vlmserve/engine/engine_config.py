@@ -58,3 +58,5 @@ class EngineConfig:
     # Speculative decoding with ngram drafts (engine/speculative.py); None: only requests' predictions are drafts
     speculative: SpeculativeConfig | None = None
     stall_timeout_s: float = 30.0  # a consumer that takes no output for this long, with outputs waiting, is aborted
+    # What a model serves: generate (chat), embed or score (rerank); auto: read from its files (engine/pooling.py)
+    task: str = "auto"

@@ -27,10 +27,12 @@ from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.memory import KVBudget
 from vlmserve.engine.params import Guide, PromptInputs, SamplingParams
+from vlmserve.engine.pooling import PoolingRunner, kind_of, load_pooling
 from vlmserve.engine.request import AbortRequest, AddRequest, EngineMetrics, StepOutput, StepOutputs
 from vlmserve.engine.worker import MLXWorkerThread
 from vlmserve.frontend import self_check
 from vlmserve.frontend.output import OutputProcessor, RequestOutput
+from vlmserve.frontend.pooling import Pooler
 from vlmserve.preprocess.guided import GuideCompiler, GuideSpec
 from vlmserve.preprocess.prompt import PromptBuilder, PromptError
 
@@ -86,6 +88,7 @@ class ModelInfo:
     weights_bytes: int
     adapter: str  # the adapter that serves it (engine/models/)
     untested: tuple[str, ...] = ()  # for a family no adapter names: what is off, and why
+    kind: str = "generate"  # generate (chat), embed or score (rerank): engine/pooling.py
 
 
 STARTING_RETRY_S = 5  # Retry-After while a model loads: its load time is not known until it is done
@@ -112,6 +115,8 @@ class AsyncEngine:
         self._image_pool = image_pool or ThreadPoolExecutor(max_workers=config.image_threads,
                                                             thread_name_prefix="preprocess-images")
         self.worker = MLXWorkerThread(name=f"mlx-{self.name}")
+        self.kind = kind_of(model, config.task)  # generate, embed or score: known before it loads (/v1/models)
+        self.pooler: Pooler | None = None  # an embed or score model's requests (frontend/pooling.py)
         self.loaded: LoadedModel | None = None
         self.prompter: PromptBuilder | None = None
         # The loop's own copy of the tokenizer (detokenizing, logprobs): the pool's threads have theirs.
@@ -149,6 +154,8 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self.worker.on_exit = self._on_worker_exit_threadsafe
         self.worker.start()
+        if self.kind != "generate":
+            return await self._start_pooling()
         began = time.perf_counter()
         self.loaded = await self.worker.run(self._load)
         assembled = self._assembled
@@ -190,6 +197,23 @@ class AsyncEngine:
                  costs.stream_tokens())
         for level, note in assembled.notes(self.name, self.core, self.config):
             log.log(level, "%s", note)
+
+    async def _start_pooling(self) -> None:
+        """An embedding model or reranker: loaded by mlx-vlm's own loaders, served by a pooling runner (no
+        scheduler, no KV cache)."""
+        began = time.perf_counter()
+        loaded = await self.worker.run(load_pooling, self.model_spec, self.kind, self.config.max_model_len)
+        runner = PoolingRunner(loaded)
+        self.worker.set_stepper(runner)
+        facts = loaded.facts
+        self.pooler = Pooler(self.name, facts, loaded.processor, self.worker, runner, self._pool)
+        self.created = int(time.time())
+        self._info = ModelInfo(self.name, facts.model_type, self.created, facts.max_tokens, 1, None, frozenset(),
+                               None, facts.weights_bytes, "pooling", (), self.kind)
+        self.ready = True
+        log.info("model %s (%s): %s model loaded in %.2f s (%d tokens per input%s)", self.name, facts.model_type,
+                 self.kind, time.perf_counter() - began, facts.max_tokens,
+                 f", {facts.dimensions} dimensions" if facts.dimensions else "")
 
     def _load(self) -> LoadedModel:
         self.worker.assert_on_worker()
@@ -362,6 +386,8 @@ class AsyncEngine:
         self._die(reason, fault=error is not None)
 
     def _fail_streams(self, message: str) -> None:
+        if self.pooler is not None:
+            self.pooler.fail_all(message)
         for request_id, q in self._streams.items():
             q.put_nowait(StepOutput(request_id, finish_reason="error", error=message))
 
@@ -559,17 +585,19 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        return len(self._streams) + (self.pooler.in_flight if self.pooler is not None else 0)
 
     @property
     def weights_bytes(self) -> int:
+        if self.pooler is not None:
+            return self.pooler.facts.weights_bytes
         return self.loaded.weights_bytes if self.loaded is not None else 0
 
     def forget(self) -> None:
         """After ``shutdown``: drop the model, its processor and tokenizers, so that nothing here keeps its
         arrays alive (a model unloaded on demand gives its memory back)."""
         assert not self.worker.alive, "forget a stopped engine only"
-        self.loaded = self.core = self.prompter = self.tokenizer = self.guides = self.kv = None
+        self.loaded = self.core = self.prompter = self.tokenizer = self.guides = self.kv = self.pooler = None
         self._assembled = None
         self._streams.clear()
         # the cycles through callbacks too: an engine made before the server froze its heap (gc.freeze, at
