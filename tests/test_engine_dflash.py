@@ -9,15 +9,14 @@ that is right stands in for accepted ones where a test needs verifies that keep 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import gather, scene
-from test_engine_speculative import Drafts, agree, batched_drafts
+from conftest import gather
+from test_engine_speculative import Drafts, agree, batched_drafts, greedy_alone_and_batched, sampling_kept
 from test_families import Family, _start, _stop
 
 from vlmserve.engine.loader import ModelLoadError
@@ -51,47 +50,11 @@ def _outputs(family: Family, request_id: str, prompt: Any, params: SamplingParam
 
 def test_dflash_gives_the_targets_greedy_tokens_alone_and_batched_beside_rows_that_do_not_draft(
         dflash: Family) -> None:
-    red = scene("circle", (220, 30, 30))
-    prompts = [dflash.prompt(TEXT), dflash.prompt("describe it; " + TEXT, [red]), dflash.prompt("hi")]
-    want = [dflash.reference(p, GREEDY.max_tokens) for p in prompts]
-    m0 = dflash.engine.metrics
-    alone = [dflash.run(dflash.tokens(f"da{i}", p, GREEDY)) for i, p in enumerate(prompts)]
-
-    async def together() -> list[list[int]]:
-        params = [dataclasses.replace(GREEDY, **PLAIN) if i % 2 else GREEDY for i in range(6)]
-        return await asyncio.gather(*(dflash.tokens(f"db{i}", prompts[i % 3], params[i]) for i in range(6)))
-
-    assert alone == want
-    assert dflash.run(together()) == [want[i % 3] for i in range(6)]
-    m = dflash.engine.metrics
-    assert m is not None and m0 is not None
-    assert m.spec_drafts - m0.spec_drafts >= 6 * 10  # every drafted row, on each step but its first and last
+    greedy_alone_and_batched(dflash, "d")
 
 
 def test_dflash_rows_keep_the_targets_logprobs_grammar_seeded_samples_and_min_tokens(dflash: Family) -> None:
-    prompt = dflash.prompt(TEXT)
-    params = dataclasses.replace(GREEDY, logprobs=True, top_logprobs=3)
-    plain = _outputs(dflash, "dl0", prompt, dataclasses.replace(params, **PLAIN))
-    mine = _outputs(dflash, "dl1", prompt, params)
-    assert mine.token_ids == plain.token_ids == dflash.reference(prompt, GREEDY.max_tokens)
-    for a, b in zip(plain.logprobs, mine.logprobs):  # a verify's float32 rounding (see test_engine_speculative)
-        assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and [t for t, _ in a.top] == [t for t, _ in b.top]
-
-    from test_engine_speculative import _schema_spec
-    guide = dflash.run(dflash.engine.guide(_schema_spec()))
-    schema = SamplingParams(max_tokens=40, guide=guide)
-    shape = dflash.prompt("Give me a shape as JSON.")
-    plain, mine = (_outputs(dflash, f"dj{i}", shape, p) for i, p in enumerate([dataclasses.replace(schema, **PLAIN),
-                                                                                schema]))
-    assert mine.error is None and mine.token_ids == plain.token_ids
-
-    for seed in range(4):
-        sampled = SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=seed, ignore_eos=True)
-        plain = _outputs(dflash, f"ds{seed}", prompt, dataclasses.replace(sampled, **PLAIN)).token_ids
-        assert _outputs(dflash, f"dt{seed}", prompt, sampled).token_ids == plain, f"seed {seed}"
-    late = SamplingParams(max_tokens=12, min_tokens=8)
-    assert _outputs(dflash, "dm1", prompt, late).token_ids == _outputs(
-        dflash, "dm0", prompt, dataclasses.replace(late, **PLAIN)).token_ids
+    sampling_kept(dflash, "d")
 
 
 def test_the_dflash_drafter_drafts_what_mlx_vlms_class_drafts_over_the_whole_context(dflash: Family) -> None:

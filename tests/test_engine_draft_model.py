@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import gather, scene
+from test_engine_speculative import sampling_kept
 from test_families import Family, _start, _stop
 
 from vlmserve.engine.loader import ModelLoadError
@@ -100,29 +101,8 @@ def test_text_rows_accept_every_draft_of_a_draft_model_that_is_the_target(same: 
 
 
 def test_draft_model_rows_keep_logprobs_grammar_seeded_samples_n_and_min_tokens(same: Family) -> None:
+    sampling_kept(same, "")
     prompt = same.prompt(TEXT)
-    params = dataclasses.replace(GREEDY, logprobs=True, top_logprobs=3)
-    plain = _outputs(same, "l0", prompt, dataclasses.replace(params, **PLAIN))
-    mine = _outputs(same, "l1", prompt, params)
-    assert mine.token_ids == plain.token_ids == same.reference(prompt, GREEDY.max_tokens)
-    for a, b in zip(plain.logprobs, mine.logprobs):  # a verify's float32 rounding (see test_engine_speculative)
-        assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and [t for t, _ in a.top] == [t for t, _ in b.top]
-
-    from test_engine_speculative import _schema_spec
-    guide = same.run(same.engine.guide(_schema_spec()))
-    schema = SamplingParams(max_tokens=40, guide=guide)
-    shape = same.prompt("Give me a shape as JSON.")
-    plain, mine = (_outputs(same, f"j{i}", shape, p) for i, p in enumerate([dataclasses.replace(schema, **PLAIN),
-                                                                             schema]))
-    assert mine.error is None and mine.token_ids == plain.token_ids
-
-    for seed in range(4):
-        sampled = SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=seed, ignore_eos=True)
-        plain = _outputs(same, f"s{seed}", prompt, dataclasses.replace(sampled, **PLAIN)).token_ids
-        assert _outputs(same, f"t{seed}", prompt, sampled).token_ids == plain, f"seed {seed}"
-    late = SamplingParams(max_tokens=12, min_tokens=8)
-    assert _outputs(same, "m1", prompt, late).token_ids == _outputs(
-        same, "m0", prompt, dataclasses.replace(late, **PLAIN)).token_ids
 
     async def forked() -> list[list[int]]:
         forks = [(f"n0-{i}", GREEDY) for i in (1, 2)]

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import gather, scene
+from conftest import gather
+from test_engine_speculative import greedy_alone_and_batched, sampling_kept
 from test_families import Family, _start, _stop
 
 from vlmserve.engine.loader import ModelLoadError
@@ -59,47 +60,11 @@ def _outputs(family: Family, request_id: str, prompt: Any, params: SamplingParam
 
 def test_eagle3_gives_the_targets_greedy_tokens_alone_and_batched_beside_rows_that_do_not_draft(
         eagle3: Family) -> None:
-    red = scene("circle", (220, 30, 30))
-    prompts = [eagle3.prompt(TEXT), eagle3.prompt("describe it; " + TEXT, [red]), eagle3.prompt("hi")]
-    want = [eagle3.reference(p, GREEDY.max_tokens) for p in prompts]
-    m0 = eagle3.engine.metrics
-    alone = [eagle3.run(eagle3.tokens(f"ea{i}", p, GREEDY)) for i, p in enumerate(prompts)]
-
-    async def together() -> list[list[int]]:
-        params = [dataclasses.replace(GREEDY, **PLAIN) if i % 2 else GREEDY for i in range(6)]
-        return await asyncio.gather(*(eagle3.tokens(f"eb{i}", prompts[i % 3], params[i]) for i in range(6)))
-
-    assert alone == want
-    assert eagle3.run(together()) == [want[i % 3] for i in range(6)]
-    m = eagle3.engine.metrics
-    assert m is not None and m0 is not None
-    assert m.spec_drafts - m0.spec_drafts >= 6 * 10  # every drafted row, on each step but its first and last
+    greedy_alone_and_batched(eagle3, "e")
 
 
 def test_eagle3_rows_keep_the_targets_logprobs_grammar_seeded_samples_and_min_tokens(eagle3: Family) -> None:
-    prompt = eagle3.prompt(TEXT)
-    params = dataclasses.replace(GREEDY, logprobs=True, top_logprobs=3)
-    plain = _outputs(eagle3, "el0", prompt, dataclasses.replace(params, **PLAIN))
-    mine = _outputs(eagle3, "el1", prompt, params)
-    assert mine.token_ids == plain.token_ids == eagle3.reference(prompt, GREEDY.max_tokens)
-    for a, b in zip(plain.logprobs, mine.logprobs):  # a verify's float32 rounding (see test_engine_speculative)
-        assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and [t for t, _ in a.top] == [t for t, _ in b.top]
-
-    from test_engine_speculative import _schema_spec
-    guide = eagle3.run(eagle3.engine.guide(_schema_spec()))
-    schema = SamplingParams(max_tokens=40, guide=guide)
-    shape = eagle3.prompt("Give me a shape as JSON.")
-    plain, mine = (_outputs(eagle3, f"ej{i}", shape, p) for i, p in enumerate([dataclasses.replace(schema, **PLAIN),
-                                                                                schema]))
-    assert mine.error is None and mine.token_ids == plain.token_ids
-
-    for seed in range(4):
-        sampled = SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=seed, ignore_eos=True)
-        plain = _outputs(eagle3, f"es{seed}", prompt, dataclasses.replace(sampled, **PLAIN)).token_ids
-        assert _outputs(eagle3, f"et{seed}", prompt, sampled).token_ids == plain, f"seed {seed}"
-    late = SamplingParams(max_tokens=12, min_tokens=8)
-    assert _outputs(eagle3, "em1", prompt, late).token_ids == _outputs(
-        eagle3, "em0", prompt, dataclasses.replace(late, **PLAIN)).token_ids
+    sampling_kept(eagle3, "e")
 
 
 def _their_drafts(family: Family, prompt: Any, which: int, steps: int, k: int) -> dict[tuple[int, int, int], list[int]]:

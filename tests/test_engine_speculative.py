@@ -367,48 +367,63 @@ def drafted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 PLAIN = {"presence_penalty": 1e-9}
 
 
-def test_a_drafter_gives_mlx_vlm_greedy_tokens_alone_and_batched_with_rows_that_do_not_draft(drafted: Family) -> None:
+def greedy_alone_and_batched(family: Family, tag: str) -> None:
+    """A drafter forced on gives the target's greedy tokens for a text, an image and a short prompt, alone and
+    six at once beside rows that never draft (``PLAIN``); every drafted row drafts on each step but its first."""
     red = scene("circle", (220, 30, 30))
-    prompts = [drafted.prompt(TEXT), drafted.prompt("describe it; " + TEXT, [red]), drafted.prompt("hi")]
-    want = [drafted.reference(p, GREEDY.max_tokens) for p in prompts]
-    m0 = drafted.engine.metrics
-    alone = [drafted.run(drafted.tokens(f"ma{i}", p, GREEDY)) for i, p in enumerate(prompts)]
+    prompts = [family.prompt(TEXT), family.prompt("describe it; " + TEXT, [red]), family.prompt("hi")]
+    want = [family.reference(p, GREEDY.max_tokens) for p in prompts]
+    m0 = family.engine.metrics
+    alone = [family.run(family.tokens(f"{tag}a{i}", p, GREEDY)) for i, p in enumerate(prompts)]
 
     async def together() -> list[list[int]]:
         params = [dataclasses.replace(GREEDY, **PLAIN) if i % 2 else GREEDY for i in range(6)]
-        return await asyncio.gather(*(drafted.tokens(f"mb{i}", prompts[i % 3], params[i]) for i in range(6)))
+        return await asyncio.gather(*(family.tokens(f"{tag}b{i}", prompts[i % 3], params[i]) for i in range(6)))
 
     assert alone == want
-    assert drafted.run(together()) == [want[i % 3] for i in range(6)]
-    m = drafted.engine.metrics
+    assert family.run(together()) == [want[i % 3] for i in range(6)]
+    m = family.engine.metrics
     assert m is not None and m0 is not None
     # every drafted row drafted on each step but its first: 13 verifies of 4 tokens, less the last ones' room
     assert m.spec_drafts - m0.spec_drafts >= 6 * 10
 
 
-def test_a_drafters_rows_keep_the_targets_logprobs_grammar_and_seeded_samples(drafted: Family) -> None:
-    prompt = drafted.prompt(TEXT)
+def sampling_kept(family: Family, tag: str, seeds: int = 4) -> None:
+    """A drafted row's logprobs (within a verify's float32 rounding), JSON grammar, seeded samples and
+    ``min_tokens`` are those of the same request that never drafts."""
+    prompt = family.prompt(TEXT)
     params = dataclasses.replace(GREEDY, logprobs=True, top_logprobs=3)
-    plain = _outputs(drafted, "ml0", prompt, dataclasses.replace(params, **PLAIN))
-    mine = _outputs(drafted, "ml1", prompt, params)
-    assert mine.token_ids == plain.token_ids == drafted.reference(prompt, GREEDY.max_tokens)
+    plain = _outputs(family, f"{tag}l0", prompt, dataclasses.replace(params, **PLAIN))
+    mine = _outputs(family, f"{tag}l1", prompt, params)
+    assert mine.token_ids == plain.token_ids == family.reference(prompt, GREEDY.max_tokens)
     # A verify runs several positions in one forward: float32 rounding (Qwen3.5's gated delta rule over
     # the block moved a logprob by 2.3e-5; Gemma 4's by < 1e-5)
     for a, b in zip(plain.logprobs, mine.logprobs):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and [t for t, _ in a.top] == [t for t, _ in b.top]
 
-    guide = drafted.run(drafted.engine.guide(_schema_spec()))
+    guide = family.run(family.engine.guide(_schema_spec()))
     schema = SamplingParams(max_tokens=40, guide=guide)
-    shape = drafted.prompt("Give me a shape as JSON.")
-    plain, mine = (_outputs(drafted, f"mj{i}", shape, p)
+    shape = family.prompt("Give me a shape as JSON.")
+    plain, mine = (_outputs(family, f"{tag}j{i}", shape, p)
                    for i, p in enumerate([dataclasses.replace(schema, **PLAIN), schema]))
     answer = mine.text.split("</think>")[-1].lstrip()  # Qwen3.5 closes the thought its prompt opens first
     assert mine.error is None and mine.token_ids == plain.token_ids and answer.startswith("{")
 
-    for seed in range(6):
+    for seed in range(seeds):
         sampled = SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=seed, ignore_eos=True)
-        plain = _outputs(drafted, f"ms{seed}", prompt, dataclasses.replace(sampled, **PLAIN)).token_ids
-        assert _outputs(drafted, f"mt{seed}", prompt, sampled).token_ids == plain, f"seed {seed}"
+        plain = _outputs(family, f"{tag}s{seed}", prompt, dataclasses.replace(sampled, **PLAIN)).token_ids
+        assert _outputs(family, f"{tag}t{seed}", prompt, sampled).token_ids == plain, f"seed {seed}"
+    late = SamplingParams(max_tokens=12, min_tokens=8)
+    assert _outputs(family, f"{tag}m1", prompt, late).token_ids == _outputs(
+        family, f"{tag}m0", prompt, dataclasses.replace(late, **PLAIN)).token_ids
+
+
+def test_a_drafter_gives_mlx_vlm_greedy_tokens_alone_and_batched_with_rows_that_do_not_draft(drafted: Family) -> None:
+    greedy_alone_and_batched(drafted, "m")
+
+
+def test_a_drafters_rows_keep_the_targets_logprobs_grammar_and_seeded_samples(drafted: Family) -> None:
+    sampling_kept(drafted, "m", seeds=6)
 
 
 def test_n_forks_each_speculate_on_their_own(drafted: Family) -> None:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from vlmserve.engine.mtp import DraftRows
+from vlmserve.engine.mtp import DraftColumns, DraftRows
 
 if TYPE_CHECKING:
     from vlmserve.engine.batch import DecodeBatch
@@ -121,24 +121,13 @@ class ModelRows:
         return lag, lengths
 
 
-class _Positions:
-    """The cache a draft-model layer writes through: the state's columns ``[size, size + W)`` for every row,
-    each row's RoPE from its own next position."""
-
-    def __init__(self, rows: DraftRows, layer: int) -> None:
-        self.rows, self.layer = rows, layer
+class _Positions(DraftColumns):
+    """The cache a draft-model layer writes through: the MTP's columns, each row's RoPE from its own next
+    position (a draft model's layers apply RoPE at ``cache.offset``)."""
 
     @property
-    def offset(self) -> mx.array:
+    def offset(self) -> mx.array:  # type: ignore[override]  # per row, where the MTP's is one int
         return self.rows.position
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        rows, i, start = self.rows, self.layer, self.rows.size
-        end = start + keys.shape[2]
-        rows.reserve(keys.shape[2], keys)
-        rows.keys[i][..., start:end, :] = keys
-        rows.values[i][..., start:end, :] = values
-        return rows.keys[i][..., :end, :], rows.values[i][..., :end, :]
 
 
 class DraftModel:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from vlmserve.engine.mtp import DraftRows, MtpDrafter, _Columns
+from vlmserve.engine.mtp import DraftColumns, DraftRows, MtpDrafter
 
 if TYPE_CHECKING:
     from vlmserve.engine.models import ModelAdapter
@@ -72,7 +72,7 @@ class Eagle3Drafter(MtpDrafter):
         mask = mx.where(seen, 0.0, -mx.inf).astype(h.dtype)
         position = rows.position + 1  # mlx-vlm numbers a pair by its token's position
         first, *rest = model.layers
-        h = first(embeds, h, mask, _Columns(rows, 0), position)
+        h = first(embeds, h, mask, DraftColumns(rows, 0), position)
         for i, layer in enumerate(rest, start=1):
-            h = layer(h, mask, _Columns(rows, i), position)
+            h = layer(h, mask, DraftColumns(rows, i), position)
         return cast(mx.array, h)

@@ -158,7 +158,7 @@ def _merge_pending(parts: list[DraftRows]) -> tuple[mx.array, mx.array, list[int
     return mx.concatenate(tokens), mx.concatenate(hidden), lengths
 
 
-class _Columns:
+class DraftColumns:
     """The cache a drafter layer writes through: the state's columns ``[size, size + L)`` for every row."""
 
     def __init__(self, rows: DraftRows, layer: int) -> None:
@@ -321,7 +321,7 @@ class MtpDrafter:
         mask = mx.where(seen, 0.0, -mx.inf).astype(h.dtype)
         positions = rows.position[:, None] + mx.arange(tokens.shape[1])[None, :]
         for i, layer in enumerate(model.layers):
-            h = layer(h, mask=mask, cache=_Columns(rows, i), position_ids=positions)
+            h = layer(h, mask=mask, cache=DraftColumns(rows, i), position_ids=positions)
         return cast(mx.array, model.norm(h))
 
 
