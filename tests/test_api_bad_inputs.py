@@ -117,7 +117,7 @@ def test_tool_choice_without_tools_is_400(server, model_name, choice):
 
 
 @pytest.mark.parametrize("part, kind", [
-    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "'input_audio'"),
+    ({"type": "input_file", "input_file": {"file_data": "AAAA"}}, "'input_file'"),
     ({"type": "hologram"}, "'hologram'"),
     ({"text": "no type"}, "no 'type'"),
     ("just a string", "no 'type'"),
@@ -126,7 +126,7 @@ def test_unsupported_content_parts_are_named(server, model_name, part, kind):
     body = {"model": model_name, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, part]}]}
     error = _assert_error(_post(server, body), 400, "messages.0.content")
     assert f"content part 1 has {kind if kind.startswith('no') else 'type ' + kind}" in error["message"], error["message"]
-    assert "text, image_url and video_url parts" in error["message"] and "valid string" not in error["message"]
+    assert "text, image_url, video_url and input_audio parts" in error["message"] and "valid string" not in error["message"]
     _ok(server, model_name)
 
 

@@ -132,7 +132,7 @@ def test_chat_template_replaces_the_models_own(gemma4_micro, tmp_path, as_file):
 @pytest.mark.parametrize("args, says", [
     (["--chat-template", "/no/such/template.jinja"], "--chat-template"),
     (["--ssl-keyfile", "/nonexistent.pem"], "go together"),
-    (["--limit-mm-per-prompt", '{"audio": 1}'], "--limit-mm-per-prompt"),
+    (["--limit-mm-per-prompt", '{"speech": 1}'], "--limit-mm-per-prompt"),
     (["--limit-mm-per-prompt", "image=4"], "not JSON"),
     (["--served-model-name", "a", "--served-model-name", "b"], "once per --model"),
 ])

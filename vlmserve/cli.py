@@ -161,9 +161,9 @@ def _models_options(group: Any, serve: ServeConfig, engine: EngineConfig) -> Non
 
 def _media_options(group: Any, serve: ServeConfig, engine: EngineConfig) -> None:
     group.add_argument("--limit-mm-per-prompt", type=_json_object,
-                       default={"image": serve.max_images, "video": serve.max_videos}, metavar="JSON",
-                       help=f'media items in one request, as vLLM takes it: \'{{"image": {serve.max_images}, "video": '
-                            f'{serve.max_videos}}}\'')
+                       default={"image": serve.max_images, "video": serve.max_videos, "audio": serve.max_audio},
+                       metavar="JSON", help=f'media items in one request, as vLLM takes it: \'{{"image": '
+                                            f'{serve.max_images}, "video": {serve.max_videos}, "audio": {serve.max_audio}}}\'')
     group.add_argument("--video-fps", type=float, default=serve.video_fps,
                        help="frames sampled per second of a video (a request's mm_processor_kwargs fps wins)")
     group.add_argument("--video-max-frames", type=int, default=serve.video_max_frames,
@@ -343,6 +343,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig | str:
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         max_images=args.limit_mm_per_prompt.get("image", field_default(ServeConfig, "max_images")),
         max_videos=args.limit_mm_per_prompt.get("video", field_default(ServeConfig, "max_videos")),
+        max_audio=args.limit_mm_per_prompt.get("audio", field_default(ServeConfig, "max_audio")),
         video_fps=args.video_fps, video_max_frames=args.video_max_frames,
         model_dirs=tuple(args.model_dir), max_loaded_models=args.max_loaded_models,
         memory_budget_gb=args.memory_budget_gb, idle_unload_s=args.idle_unload_s,
@@ -368,8 +369,8 @@ def _bounds(args: argparse.Namespace) -> str | None:
     if args.kv_group_size not in (32, 64, 128) or args.quantized_kv_start < 0:
         return "--kv-group-size must be 32, 64 or 128 and --quantized-kv-start >= 0"
     limits = args.limit_mm_per_prompt
-    if set(limits) - {"image", "video"} or not all(isinstance(n, int) and n >= 0 for n in limits.values()):
-        return '--limit-mm-per-prompt: a JSON object of "image" and "video" counts >= 0, e.g. \'{"image": 4}\''
+    if set(limits) - {"image", "video", "audio"} or not all(isinstance(n, int) and n >= 0 for n in limits.values()):
+        return '--limit-mm-per-prompt: a JSON object of "image", "video" and "audio" counts >= 0, e.g. \'{"image": 4}\''
     if not 0 < args.video_fps <= 60 or args.video_max_frames < 2:
         return "--video-fps must be in (0, 60] and --video-max-frames >= 2"
     if len(args.served_model_name) > max(1, len(args.model)):

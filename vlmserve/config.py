@@ -86,6 +86,7 @@ class ServeConfig:
     max_image_pixels: int = DEFAULT_MAX_PIXELS  # larger images get 400 before they are decoded
     max_images: int = 8  # images in one request (--limit-mm-per-prompt)
     max_videos: int = 1  # videos in one request (--limit-mm-per-prompt)
+    max_audio: int = 4  # input_audio clips in one request (--limit-mm-per-prompt)
     video_fps: float = 2.0  # frames sampled per second of a video, unless a request says
     video_max_frames: int = 32  # frames sampled from one video at most; a request may ask for fewer
     decode_pixels: int = DEFAULT_DECODE_PIXELS  # image pixels being decoded at once, server-wide

@@ -44,7 +44,7 @@ def build_state(config: ServeConfig) -> ServerState:
         served.append(ServedModel(engine.name, engine, aliases, config.tool_parser))
     media = MediaPolicy(allowed_dirs=config.allowed_media_dirs, allow_remote=config.allow_remote_images,
                         allowed_domains=config.allowed_media_domains, max_pixels=config.max_image_pixels,
-                        max_images=config.max_images, max_videos=config.max_videos,
+                        max_images=config.max_images, max_videos=config.max_videos, max_audio=config.max_audio,
                         video_sampling=VideoSampling(fps=config.video_fps, max_frames=config.video_max_frames),
                         decoding=DecodeBudget(config.decode_pixels))
     state = ServerState(served, media, config)

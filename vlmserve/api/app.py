@@ -31,6 +31,7 @@ from vlmserve.api.responses_input import ResponsesRequest
 from vlmserve.api.schemas import ChatCompletionRequest
 from vlmserve.api.state import ServedModel, ServerState
 from vlmserve.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
+from vlmserve.api.transcriptions import create_transcription
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +218,10 @@ def _api_routes(app: FastAPI, state: ServerState) -> None:
     async def embeddings(body: EmbeddingsRequest) -> dict[str, Any]:
         return await create_embeddings(body, state)
 
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(request: Request) -> Response:
+        return await create_transcription(request, state)
+
     @app.post("/v1/rerank")
     @app.post("/rerank")  # Jina's and Cohere's clients' path
     async def rerank_(body: RerankRequest) -> dict[str, Any]:
@@ -349,13 +354,16 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await _reject(self._too_large(), scope, receive, send, self.on_reject)
         received, rejected = 0, False
+        # an upload (POST /v1/audio/transcriptions) is bytes, not JSON text: NUL bytes are its own
+        binary = dict(scope.get("headers") or []).get(b"content-type", b"").startswith(b"multipart/form-data")
 
         async def checking_receive() -> dict[str, Any]:
             nonlocal received, rejected
             message: dict[str, Any] = await receive()
             body = message.get("body", b"")
             received += len(body)
-            error = self._too_large() if received > self.max_bytes else _not_utf8() if b"\x00" in body else None
+            nul = b"\x00" in body and not binary
+            error = self._too_large() if received > self.max_bytes else _not_utf8() if nul else None
             if error is not None and not rejected:
                 rejected = True
                 await _reject(error, scope, receive, send, self.on_reject)

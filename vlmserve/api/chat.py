@@ -33,7 +33,7 @@ from vlmserve.engine.params import PromptInputs
 from vlmserve.frontend.async_engine import ImagePrompt, PromptFactory
 from vlmserve.frontend.output import RequestOutput
 from vlmserve.preprocess.guided import GuideError
-from vlmserve.preprocess.media import MediaPolicy, load_image_source, load_video_source
+from vlmserve.preprocess.media import MediaPolicy, load_audio_source, load_image_source, load_video_source
 from vlmserve.preprocess.prompt import PromptBuilder
 from vlmserve.preprocess.video import VideoSampling
 
@@ -48,6 +48,8 @@ def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str,
         images = [load_image_source(url, media, f"image {i + 1}", limit) for i, url in enumerate(chat.image_urls)]
         sampling = chat.video_sampling.merge(prompter.video_sampling or VideoSampling())
         videos = [load_video_source(url, media, sampling, f"video {i + 1}") for i, url in enumerate(chat.video_urls)]
+        rate = prompter.audio_rate or 0  # chat_input refused audio to a model without a feature extractor
+        audio = [load_audio_source(data, fmt, media, rate, f"audio {i + 1}") for i, (data, fmt) in enumerate(chat.audio)]
         low = [detail == "low" for detail in chat.image_details]
         image_kwargs = dict(chat.image_kwargs)
         if limit is not None and any(low):
@@ -55,9 +57,9 @@ def prompt_factory(chat: ChatInput, media: MediaPolicy, request_id: str,
             if all(low):
                 image_kwargs.update(limit.low_detail_kwargs())
         return prompter.build(chat.messages, images, chat.tools, chat.instructions, request_id,
-                              add_generation_prompt, chat.template_kwargs, image_kwargs, videos)
+                              add_generation_prompt, chat.template_kwargs, image_kwargs, videos, audio)
 
-    return ImagePrompt(make) if chat.image_urls or chat.video_urls else make
+    return ImagePrompt(make) if chat.image_urls or chat.video_urls or chat.audio else make
 
 
 def chat_input(req: ChatCompletionRequest, state: ServerState, served: ServedModel) -> ChatInput:
@@ -66,7 +68,7 @@ def chat_input(req: ChatCompletionRequest, state: ServerState, served: ServedMod
     engine = served.engine
     chat = to_chat_input(req, state.media, state.config.default_chat_template_kwargs, engine.info.max_pixels,
                          served.tool_parser)
-    refused = engine.media_refusal(len(chat.image_urls), len(chat.video_urls))
+    refused = engine.media_refusal(len(chat.image_urls), len(chat.video_urls), len(chat.audio))
     if refused is not None:
         raise bad_request(refused, "messages", "unsupported_media")
     state.billing_headers_dropped(chat.billing_headers, served.name)

@@ -13,7 +13,15 @@ from pydantic import ValidationError
 from vlmserve.api.billing import without_billing_header
 from vlmserve.api.errors import bad_request
 from vlmserve.api.limits import check_json
-from vlmserve.api.schemas import ChatCompletionRequest, ImagePart, Message, NamedToolChoice, SamplingFields, VideoPart
+from vlmserve.api.schemas import (
+    AudioPart,
+    ChatCompletionRequest,
+    ImagePart,
+    Message,
+    NamedToolChoice,
+    SamplingFields,
+    VideoPart,
+)
 from vlmserve.engine.params import SamplingParams
 from vlmserve.preprocess.guided import GuideSpec
 from vlmserve.preprocess.media import MediaPolicy
@@ -37,6 +45,7 @@ class ChatInput:
     video_urls: list[str] = field(default_factory=list)
     video_sampling: VideoSampling = VideoSampling()  # the request's fps/max_frames over the server's
     billing_headers: tuple[str, ...] = ()  # Claude Code's billing lines, dropped from system messages (api/billing.py)
+    audio: list[tuple[str, str]] = field(default_factory=list)  # each input_audio's (base64 data, format)
 
 
 # apply_chat_template's own arguments, and the template itself: never a template variable from a client
@@ -143,20 +152,22 @@ def to_chat_input(req: ChatCompletionRequest, media: MediaPolicy,
     urls: list[str] = []
     details: list[str | None] = []
     videos: list[str] = []
+    clips: list[tuple[str, str]] = []
     names = _tool_call_names(req.messages)
     sent = [without_billing_header(m) for m in req.messages]  # indices stay the request's, for errors
-    messages = [_message(m, i, _Media(urls, details, videos), names) for i, (m, _) in enumerate(sent)
+    messages = [_message(m, i, _Media(urls, details, videos, clips), names) for i, (m, _) in enumerate(sent)
                 if m is not None]
-    for kind, count, most in (("images", len(urls), media.max_images), ("videos", len(videos), media.max_videos)):
+    for kind, count, most in (("images", len(urls), media.max_images), ("videos", len(videos), media.max_videos),
+                              ("audio clips", len(clips), media.max_audio)):
         if count > most:
             raise bad_request(f"messages: {count} {kind} is over the limit of {most} per request (the server's "
-                              f"--limit-mm-per-prompt)", "messages", f"too_many_{kind}")
+                              f"--limit-mm-per-prompt)", "messages", f"too_many_{kind.split()[0]}")
     enforced = tool_format is not None and _forced(req)
     return ChatInput(messages, urls, _tools_for_template(req, every=enforced), _instructions(req, enforced),
                      template_kwargs(default_template_kwargs or {}, req.chat_template_kwargs),
                      image_kwargs(req.mm_processor_kwargs, model_max_pixels, req.model), details, videos,
                      video_sampling(req.mm_processor_kwargs, media.video_sampling),
-                     tuple(header for _, header in sent if header))
+                     tuple(header for _, header in sent if header), clips)
 
 
 @dataclass(slots=True, frozen=True)
@@ -166,6 +177,7 @@ class _Media:
     image_urls: list[str]
     image_details: list[str | None]
     video_urls: list[str]
+    audio: list[tuple[str, str]]
 
 
 def _message(m: Message, index: int, media: _Media, names: dict[str, str]) -> dict[str, Any]:
@@ -189,7 +201,12 @@ def _content(m: Message, index: int, media: _Media) -> str | list[dict[str, Any]
         if isinstance(part, ImagePart) and m.role not in ("user", "tool"):
             raise bad_request(f"messages.{index}: images are only allowed in user and tool messages",
                               f"messages.{index}.content")
-        if isinstance(part, ImagePart):
+        if isinstance(part, AudioPart) and m.role != "user":
+            raise bad_request(f"messages.{index}: audio is only allowed in user messages", f"messages.{index}.content")
+        if isinstance(part, AudioPart):
+            media.audio.append((part.input_audio.data, part.input_audio.format))
+            parts.append({"type": "audio"})
+        elif isinstance(part, ImagePart):
             media.image_urls.append(part.image_url.url)
             media.image_details.append(part.image_url.detail)
             parts.append({"type": "image"})

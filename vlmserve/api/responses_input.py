@@ -141,9 +141,11 @@ def _content(content: Any, where: str) -> Any:
                                   f"{where}.{j}", "unsupported_value")
             detail = {"detail": part["detail"]} if part.get("detail") is not None else {}
             parts.append({"type": "image_url", "image_url": {"url": url, **detail}})
+        elif kind == "input_audio":  # the chat part's shape: {data, format}, checked there
+            parts.append({"type": "input_audio", "input_audio": part.get("input_audio")})
         else:
             raise bad_request(f"{where}.{j}: content part type {kind!r} is not supported (input_text, input_image, "
-                              "output_text)", f"{where}.{j}", "unsupported_value")
+                              "input_audio, output_text)", f"{where}.{j}", "unsupported_value")
     return parts
 
 

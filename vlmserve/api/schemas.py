@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_CACHE_TTL_S = 3600.0
 SEED_MAX = 2**64 - 1  # what the sampler's random key takes
-CONTENT_PART_TYPES = ("text", "image_url", "video_url")
+CONTENT_PART_TYPES = ("text", "image_url", "video_url", "input_audio")
 
 
 class _Lenient(BaseModel):
@@ -41,7 +41,17 @@ class VideoPart(_Lenient):
     video_url: VideoURL
 
 
-ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+class InputAudio(_Lenient):
+    data: str  # base64 (a data URL's base64 part is taken too)
+    format: str  # "wav" or "mp3" (preprocess/audio.py says which else is refused)
+
+
+class AudioPart(_Lenient):
+    type: Literal["input_audio"]  # OpenAI's
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart | AudioPart, Field(discriminator="type")]
 
 
 class FunctionCall(_Lenient):

@@ -84,6 +84,7 @@ class SamplingParams:
 
 
 HostArray = np.ndarray | tuple[np.ndarray, ...]  # a tuple: one array per image (Gemma 4's sizes differ)
+AUDIO_KEYS = ("input_features", "input_features_mask")  # Gemma 4's mel features of a prompt's clips, and their mask
 
 
 @dataclass(slots=True, frozen=True)
@@ -115,8 +116,13 @@ class PromptInputs:
 
     @property
     def has_images(self) -> bool:
-        """Does the prompt carry pixels (images or videos: ``num_images`` counts both)?"""
-        return "pixel_values" in self.arrays or "pixel_values_videos" in self.arrays
+        """Does the prompt carry media the token ids do not say (pixels of images or videos: ``num_images``
+        counts both; or audio features): then it is embedded through the towers, never keyed by ids alone."""
+        return "pixel_values" in self.arrays or "pixel_values_videos" in self.arrays or self.has_audio
+
+    @property
+    def has_audio(self) -> bool:
+        return "input_features" in self.arrays
 
     @property
     def has_videos(self) -> bool:
@@ -140,8 +146,8 @@ def prefix_key(prompt: PromptInputs, media_ids: frozenset[int]) -> list[int] | N
     own: Qwen3-VL's, Qwen3.5's and Gemma 4's time-stamped groups)."""
     if not prompt.has_images:
         return prompt.input_ids
-    if not media_ids or len(prompt.images) != prompt.num_images:
-        return None
+    if not media_ids or len(prompt.images) != prompt.num_images or prompt.has_audio:
+        return None  # a clip has no content hash here: a prompt with audio is never keyed (nor reused)
     if prompt.has_videos and "pixel_values" in prompt.arrays:
         return None  # items are images, then videos: runs of both kinds would not pair in prompt order
     key, images, previous_media = [], iter(prompt.images), False

@@ -195,7 +195,7 @@ class ModelRunner:
             prompt = self.prompts[request_id].prompt
             pixels = prompt.arrays.get("pixel_values")
             batched = isinstance(pixels, np.ndarray) and self.adapter.batch_embed and not self._caches(prompt) \
-                and not prompt.has_videos
+                and not prompt.has_videos and not prompt.has_audio  # clips' features differ in length
             key = ("images", pixels.shape[1:]) if batched and isinstance(pixels, np.ndarray) else request_id
             groups.setdefault(key, []).append(request_id)
         return list(groups.values())

@@ -91,6 +91,7 @@ class ModelInfo:
     kind: str = "generate"  # generate (chat), embed or score (rerank): engine/pooling.py
 
 
+AUDIO_FAMILIES = ("gemma4",)  # those whose audio tower's path is tested (tests/test_audio.py)
 STARTING_RETRY_S = 5  # Retry-After while a model loads: its load time is not known until it is done
 _AVERAGE = 0.2  # weight of the newest request in the running average of request durations
 
@@ -278,16 +279,29 @@ class AsyncEngine:
         self._check_alive()  # says why it is not available
         raise EngineNotReadyError(f"model {self.name!r} is not available")
 
-    def media_refusal(self, images: int, videos: int) -> str | None:
-        """Why this model cannot take a prompt with these images and videos, or None (also before it
-        is loaded: the request is refused as not ready)."""
+    def media_refusal(self, images: int, videos: int, audio: int = 0) -> str | None:
+        """Why this model cannot take a prompt with these images, videos and audio clips, or None (also
+        before it is loaded: the request is refused as not ready)."""
         if self.loaded is None or self.prompter is None:
             return None
         family = f"model {self.name!r} ({self.loaded.model_type})"
+        if audio:
+            return self._audio_refusal(family)
         if videos and self.prompter.video_sampling is None:
             return f"{family} does not take video: its processor has no video processor"
         if videos and images and not self.loaded.adapter.mixes_media:
             return f"{family} takes images or a video in one prompt, not both (mlx-vlm's merge fills one kind)"
+        return None
+
+    def _audio_refusal(self, family: str) -> str | None:
+        assert self.loaded is not None and self.prompter is not None
+        if self.loaded.model_type not in AUDIO_FAMILIES:
+            return f"{family} does not take audio: only Gemma 4 checkpoints with an audio tower do here"
+        if getattr(self.loaded.model, "audio_tower", None) is None:
+            return f"{family} does not take audio: the checkpoint has no audio tower (no audio_config)"
+        if self.prompter.audio_rate is None:
+            return (f"{family} does not take audio: its processor has no feature extractor (processor_config.json "
+                    "lacks feature_extractor)")
         return None
 
     def opens_reasoning_with(self, template_kwargs: Mapping[str, Any]) -> bool:

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+import numpy as np
 from PIL import Image
 
+from vlmserve.preprocess.audio import AudioLimits, audio_bytes, decode_audio
 from vlmserve.preprocess.decode_budget import DecodeBudget
 from vlmserve.preprocess.image_sizes import ProcessorLimit
 from vlmserve.preprocess.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageError, ImageLimits, decode_image
@@ -33,6 +35,8 @@ class MediaPolicy:
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_images: int = 8
     max_videos: int = 1
+    max_audio: int = 4  # input_audio clips in one request
+    audio: AudioLimits = AudioLimits()  # bytes and seconds of one clip
     max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES
     video_sampling: VideoSampling = VideoSampling(fps=2.0, max_frames=32)  # the server's defaults
     remote_timeout_s: float = 10.0
@@ -60,6 +64,12 @@ def load_video_source(url: str, policy: MediaPolicy, sampling: VideoSampling, la
     budget); every refusal is a ``VideoError`` naming the video."""
     source = _source(url, policy, label, "video", policy.max_video_bytes, VideoError)
     return decode_video(source, sampling, policy.max_pixels, label, policy.decoding)
+
+
+def load_audio_source(data: str, fmt: str, policy: MediaPolicy, rate: int, label: str = "audio") -> np.ndarray:
+    """Decode one ``input_audio`` to mono samples at ``rate`` (the model's feature extractor's) within the
+    policy's bytes and seconds; every refusal is an ``AudioError`` naming the clip."""
+    return decode_audio(audio_bytes(data, label, policy.audio), fmt, label, policy.audio, rate)
 
 
 def _source(url: str, policy: MediaPolicy, label: str, kind: str, max_bytes: int,

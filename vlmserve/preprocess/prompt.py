@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlmserve.engine.params import HostArray, ImageItem, PromptInputs
+from vlmserve.engine.params import AUDIO_KEYS, HostArray, ImageItem, PromptInputs
 from vlmserve.preprocess.control import ControlTokens
 from vlmserve.preprocess.image_items import image_items, picture_hash
 from vlmserve.preprocess.image_sizes import ProcessorLimit
@@ -104,7 +104,7 @@ def render_chat(
 
 def encode(processor: Any, text: str, images: Sequence[Image.Image] = (),
            image_kwargs: Mapping[str, int] | None = None, videos: Sequence[Video] = (),
-           picture_keys: bool = False) -> PromptInputs:
+           picture_keys: bool = False, audio: Sequence[np.ndarray] = ()) -> PromptInputs:
     """Tokenize a rendered prompt and preprocess its images and videos with the model's processor.
 
     Processors are called with nothing but text, images and the tensor type (mlx-vlm's LLaVA
@@ -113,9 +113,10 @@ def encode(processor: Any, text: str, images: Sequence[Image.Image] = (),
     Videos go as mlx-vlm's ``prepare_inputs`` sends them: the frames, and each clip's sampled ``fps``
     and frame metadata to the processors whose call names them (Qwen3-VL's timestamps, Gemma 4's).
     With ``picture_keys``, images whose arrays do not split per image get items keyed by the pictures.
+    ``audio``: mono clips at the feature extractor's rate (its ``input_features`` join the arrays).
     """
     text = _without_doubled_bos(tokenizer_of(processor), text)
-    if not images and not videos:
+    if not images and not videos and not audio:
         ids = tokenizer_of(processor)(text)["input_ids"]
         return PromptInputs(input_ids=[int(i) for i in ids])
     kwargs: dict[str, Any] = dict(image_kwargs or {})
@@ -126,6 +127,8 @@ def encode(processor: Any, text: str, images: Sequence[Image.Image] = (),
             kwargs["fps"] = [v.sampled_fps for v in videos]
         if "video_metadata" in declared:
             kwargs["video_metadata"] = [v.metadata() for v in videos]
+    if audio:
+        kwargs["audio"] = list(audio)
     out = processor(text=[text], images=list(images) or None, return_tensors="np", **kwargs)
     arrays: dict[str, HostArray] = {}
     for key, value in out.items():
@@ -133,7 +136,8 @@ def encode(processor: Any, text: str, images: Sequence[Image.Image] = (),
         if host is not None:
             arrays[key] = host
     ids = [int(i) for i in np.asarray(out["input_ids"]).reshape(-1)]
-    items = image_items(arrays, len(images), len(ids), len(videos))
+    pictures = {k: v for k, v in arrays.items() if k not in AUDIO_KEYS}  # a clip is no image item
+    items = image_items(pictures, len(images), len(ids), len(videos))
     if picture_keys and not items and images and not videos:  # arrays that do not split per image (tiles)
         items = tuple(ImageItem(picture_hash(image, image_kwargs), {}) for image in images)
     return PromptInputs(input_ids=ids, arrays=arrays, num_images=len(images) + len(videos), images=items)
@@ -207,15 +211,16 @@ def build_prompt(
     videos: Sequence[Video] = (),
     video_frames: bool = False,
     hints: CacheHints = CacheHints(),
+    audio: Sequence[np.ndarray] = (),
 ) -> PromptInputs:
-    """Phase 1 for one request: template, tokenize, preprocess images and videos; logs when slow.
+    """Phase 1 for one request: template, tokenize, preprocess images, videos and audio; logs when slow.
 
     ``instructions`` (e.g. "answer in JSON") join the system message, wherever this template keeps it.
     With ``video_frames``, a video goes as its frames, each an image (``frames_as_images``); ``hints``
     say what the engine's prefix caches need besides.
     """
     start = time.perf_counter()
-    for kind, given in (("image", len(images)), ("video", len(videos))):
+    for kind, given in (("image", len(images)), ("video", len(videos)), ("audio", len(audio))):
         count = sum(_count_parts(m, kind) for m in messages)
         if count != given:
             raise PromptError(f"{count} {kind} parts in the messages but {given} {kind}s given")
@@ -227,7 +232,7 @@ def build_prompt(
     messages, tools = adapt_messages(messages, tools, template, instructions)
     text = render_chat(processor, messages, tools, add_generation_prompt, template_kwargs, bool(videos))
     try:
-        prompt = encode(processor, text, images, image_kwargs, videos, hints.picture_keys)
+        prompt = encode(processor, text, images, image_kwargs, videos, hints.picture_keys, audio)
     except Exception as exc:  # noqa: BLE001 - e.g. image tokens typed into the text: the input's fault
         raise PromptError(f"could not process the prompt: {type(exc).__name__}: {exc}") from exc
     if hints.stems and add_generation_prompt:
@@ -235,6 +240,8 @@ def build_prompt(
                                             text))
     if videos and "pixel_values_videos" not in prompt.arrays:
         raise PromptError("the chat template wrote no video placeholder for the video")
+    if audio and "input_features" not in prompt.arrays:  # mlx-vlm #903: a processor without its extractor
+        raise PromptError("the processor made no audio features (no feature extractor)")
     elapsed = time.perf_counter() - start
     if elapsed > SLOW_PREPROCESS_S:
         log.warning("slow preprocessing: request %s, %d tokens, %.2f s", request_id, len(prompt), elapsed)
@@ -259,6 +266,7 @@ class PromptBuilder:
     video_sampling: VideoSampling | None = None  # the frames its video processor asks for; None: it takes no video
     video_frames: bool = False  # a video goes as its frames, each an image (SmolVLM2: no video processor)
     hints: CacheHints = CacheHints()
+    audio_rate: int | None = None  # the sampling rate its feature extractor takes clips at; None: it has none
     # Copies, not a lock (measured): a copy is 1-6 ms here, ~0.6 s and 24 MiB for a 200k vocabulary, once at start-up;
     # one lock made 4 threads' image prompts 1.45x slower (2 cores) and a decode wait ~0.5 s behind 140k-token ones.
     spares: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue, compare=False, repr=False)
@@ -279,7 +287,7 @@ class PromptBuilder:
         builder = cls(processor, inspect_template(templater_of(processor)),
                       ControlTokens.of(processor, tokenizer_of(processor)), limit,
                       media_token_ids(processor), processor_sampling(processor) if takes_video else None,
-                      frames and takes_video, hints)
+                      frames and takes_video, hints, _audio_rate(processor))
         for _ in range(copies):
             builder.spares.put(copy.deepcopy(processor))
         return builder
@@ -288,11 +296,12 @@ class PromptBuilder:
               tools: Sequence[dict[str, Any]] | None = None, instructions: str = "",
               request_id: str = "-", add_generation_prompt: bool = True,
               template_kwargs: Mapping[str, Any] | None = None,
-              image_kwargs: Mapping[str, int] | None = None, videos: Sequence[Video] = ()) -> PromptInputs:
+              image_kwargs: Mapping[str, int] | None = None, videos: Sequence[Video] = (),
+              audio: Sequence[np.ndarray] = ()) -> PromptInputs:
         with self._borrowed() as processor:
             return build_prompt(processor, messages, images, tools, self.template, instructions, request_id,
                                 self.control, add_generation_prompt, template_kwargs, image_kwargs, videos,
-                                self.video_frames, self.hints)
+                                self.video_frames, self.hints, audio)
 
     def opens_reasoning_with(self, template_kwargs: Mapping[str, Any]) -> bool:
         """Whether a prompt rendered with these template variables ends inside ``<think>``: a probe
@@ -351,6 +360,14 @@ class PromptBuilder:
             yield processor
         finally:
             self.spares.put(processor)
+
+
+def _audio_rate(processor: Any) -> int | None:
+    """The sampling rate of the processor's audio feature extractor (mlx-vlm #903: a conversion lacking it
+    drops audio silently), where it has one and an audio placeholder to expand."""
+    extractor = getattr(processor, "feature_extractor", None)
+    rate = getattr(extractor, "sampling_rate", None)
+    return int(rate) if isinstance(rate, int) and isinstance(getattr(processor, "audio_token", None), str) else None
 
 
 def media_token_ids(processor: Any) -> frozenset[int]:

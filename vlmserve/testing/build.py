@@ -32,7 +32,7 @@ SIZES = ("micro", "small")
 # E2B/E4B (the last layers read earlier layers' KV, per-layer inputs, double-wide MLPs) and 26B-A4B (a
 # mixture-of-experts block, keys as values on full-attention layers); InternVL3's beside InternVL3.5's (a Qwen2.5:
 # q/k/v biases, no q/k norms).
-VARIANTS: dict[str, tuple[str, ...]] = {"gemma4": ("e2b", "moe"), "internvl_chat": ("internvl3",)}
+VARIANTS: dict[str, tuple[str, ...]] = {"gemma4": ("e2b", "moe", "audio"), "internvl_chat": ("internvl3",)}
 # Every build the family tests run: each architecture, then each variant as ``arch/variant``.
 FAMILY_BUILDS = (*ARCHS, *(f"{arch}/{variant}" for arch, names in VARIANTS.items() for variant in names))
 # Bump when anything that shapes the files changes: the cache key includes it.

@@ -60,12 +60,18 @@ PER_LAYER_INPUT = {"micro": 8, "small": 32}  # Gemma 4 E2B/E4B's per-layer token
 KV_SHARED_LAYERS = 2  # the "e2b" variant's layers that read earlier layers' KV (E2B: the last 20 of 35)
 E2B_LAYERS = 6
 MOE = {"num_experts": 8, "top_k_experts": 2}  # the "moe" variant's router (26B-A4B: 128 experts, top 8)
+# The "audio" variant's conformer (E2B/E4B: 12 layers of 1024, 128 mel bins in, 40 ms per soft token out);
+# the mel bins stay at 128 because mlx-vlm's subsampler hard-codes them.
+AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "subsampling_conv_channels": [8, 4],
+         "output_proj_dims": 32}
+AUDIO_SEQ_LENGTH = 750  # the real processor's cap: 30 s of audio at 40 ms per token
 
 
 def recipe(size: str, variant: str = "") -> Recipe:
     """``variant``: "" (the plain build), "e2b" (E2B/E4B: the last layers read earlier layers' KV, per-layer
-    inputs, double-wide MLPs on the sharing layers; micro gets 4 layers for it) or "moe" (26B-A4B: a
-    mixture-of-experts block beside each dense MLP, keys as values on the full-attention layers)."""
+    inputs, double-wide MLPs on the sharing layers; micro gets 4 layers for it), "moe" (26B-A4B: a
+    mixture-of-experts block beside each dense MLP, keys as values on the full-attention layers) or "audio"
+    (E2B/E4B's audio tower, and the feature extractor in processor_config.json)."""
     dims = DIMS[size]
     if variant == "e2b":  # 6 layers: the shared ones read layers 2 and 3, so a prompt may split before them
         dims = replace(dims, layers=max(dims.layers, E2B_LAYERS))
@@ -81,7 +87,7 @@ def recipe(size: str, variant: str = "") -> Recipe:
         dims=dims,
         tokens=tokens,
         config=model_config(dims, tokens, PER_LAYER_INPUT[size], variant),
-        make_processor=lambda tokenizer: make_processor(tokenizer, dims),
+        make_processor=lambda tokenizer: make_processor(tokenizer, dims, audio=variant == "audio"),
         fix_init=fix_init,
     )
 
@@ -138,6 +144,10 @@ def vision_config(dims: Dims) -> dict[str, Any]:
     }
 
 
+def audio_config() -> dict[str, Any]:
+    return {"model_type": "gemma4_audio", **AUDIO, "rms_norm_eps": 1e-6}
+
+
 def model_config(dims: Dims, tokens: TokenizerSpec, per_layer_input: int, variant: str = "") -> dict[str, Any]:
     ids = {name: tokens.id_of(token) for name, token in NAMED_TOKENS.items()}
     return {
@@ -146,7 +156,7 @@ def model_config(dims: Dims, tokens: TokenizerSpec, per_layer_input: int, varian
         "text_config": text_config(dims, per_layer_input, variant),
         "vision_config": vision_config(dims),
         # absent, mlx_vlm.load builds a default 12-layer audio tower, then drops it with a warning
-        "audio_config": None,
+        "audio_config": audio_config() if variant == "audio" else None,
         "vocab_size": dims.vocab,
         "hidden_size": dims.hidden,
         "image_token_id": ids["image_token"],
@@ -165,7 +175,8 @@ def model_config(dims: Dims, tokens: TokenizerSpec, per_layer_input: int, varian
     }
 
 
-def make_processor(tokenizer: Any, dims: Dims) -> Any:
+def make_processor(tokenizer: Any, dims: Dims, audio: bool = False) -> Any:
+    from mlx_vlm.models.gemma4.audio_feature_extractor import Gemma4AudioFeatureExtractor
     from mlx_vlm.models.gemma4.processing_gemma4 import (
         Gemma4ImageProcessor,
         Gemma4Processor,
@@ -181,8 +192,13 @@ def make_processor(tokenizer: Any, dims: Dims) -> Any:
     video_processor = Gemma4VideoProcessor(
         patch_size=dims.patch, max_soft_tokens=VIDEO_SOFT_TOKENS, pooling_kernel_size=POOLING
     )
+    # save_pretrained writes the extractor's settings into processor_config.json (mlx-vlm #903: a
+    # conversion lacking them drops audio silently)
+    extractor = Gemma4AudioFeatureExtractor() if audio else None
     return Gemma4Processor(
         image_processor=image_processor,
+        feature_extractor=extractor,
+        audio_seq_length=AUDIO_SEQ_LENGTH,
         tokenizer=tokenizer,
         video_processor=video_processor,
         chat_template=tokenizer.chat_template,

@@ -29,13 +29,13 @@ from mlx_vlm.speculative.cache_state import commit_speculative_round
 from mlx_vlm.speculative.common import verify_forward
 
 from vlmserve.engine.kv_quant import KVQuant
-from vlmserve.engine.params import ImageItem, PromptInputs
+from vlmserve.engine.params import AUDIO_KEYS, ImageItem, PromptInputs
 from vlmserve.preprocess.image_sizes import ProcessorLimit, limit_of, sized_limit
 
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")  # what the vision tower reads; never language-model keywords
 # What only the vision tower reads besides: never a language-model keyword either. SmolVLM's mask is
 # [1, images, H, W]: kept, it failed the left-padded batch of prompts with different image counts.
-VISION_ONLY_KEYS = (*PIXEL_KEYS, "pixel_attention_mask")
+VISION_ONLY_KEYS = (*PIXEL_KEYS, "pixel_attention_mask", *AUDIO_KEYS)  # and what only the audio tower reads
 
 
 @dataclass(slots=True)

@@ -1,0 +1,170 @@
+"""Audio in chat on the real worker, runner and MLX: Gemma 4 with a small audio tower (the "audio" variant).
+
+The oracle is mlx-vlm's own greedy decode (``generate_step``) on the same prompt ids and mel features;
+clips are decoded as mlx-vlm's ``load_audio`` decodes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import scene
+
+from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.preprocess.audio import AudioError, AudioLimits, decode_audio
+from vlmserve.testing import build_model
+from vlmserve.testing.reference import reference_greedy
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def tone(hz: float, seconds: float, rate: int = 16_000, channels: int = 1) -> bytes:
+    """A sine tone as 16-bit PCM WAV bytes."""
+    t = np.arange(int(seconds * rate)) / rate
+    pcm = (0.4 * np.sin(2 * np.pi * hz * t) * 32767).astype("<i2")
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.repeat(pcm, channels).tobytes())
+    return out.getvalue()
+
+
+class Audio:
+    def __init__(self) -> None:
+        from vlmserve.engine.engine_config import EngineConfig
+        from vlmserve.frontend.async_engine import AsyncEngine
+
+        self.loop = asyncio.new_event_loop()
+        path = build_model("gemma4", "micro", variant="audio")
+        self.engine = AsyncEngine(str(path), config=EngineConfig(max_batch_size=8, prefill_chunk=16,
+                                                                     mm_prefix_cache=True))
+        self.loop.run_until_complete(self.engine.start())
+
+    def prompt(self, text: str, clips: list[bytes] = (), images: list[object] = ()) -> PromptInputs:
+        audio = [decode_audio(c, "wav", f"clip {i}", AudioLimits()) for i, c in enumerate(clips)]
+        parts = [*({"type": "audio"} for _ in audio), *({"type": "image"} for _ in images),
+                 {"type": "text", "text": text}]
+        return self.engine.prompter.build([{"role": "user", "content": parts}], list(images), audio=audio)
+
+    async def tokens(self, request_id: str, prompt: PromptInputs) -> list[int]:
+        out: list[int] = []
+        async for step in self.engine.generate(request_id, prompt, GREEDY):
+            assert step.error is None, step.error
+            out += step.token_ids
+        return out
+
+    def reference(self, prompt: PromptInputs) -> list[int]:
+        return self.engine.worker.call(reference_greedy, self.engine.loaded.model, prompt, GREEDY.max_tokens)
+
+
+@pytest.fixture(scope="module")
+def audio() -> Iterator[Audio]:
+    started = Audio()
+    yield started
+    started.loop.run_until_complete(started.engine.shutdown())
+    started.loop.close()
+
+
+def test_the_build_carries_its_feature_extractor() -> None:
+    import json
+
+    config = json.loads((build_model("gemma4", "micro", variant="audio") / "processor_config.json").read_text())
+    assert config["feature_extractor"]["feature_extractor_type"] == "Gemma4AudioFeatureExtractor"
+
+
+def test_a_clip_expands_to_one_token_per_40_ms(audio: Audio) -> None:
+    prompt = audio.prompt("what is it?", [tone(440, 1.3)])
+    token = audio.engine.prompter.processor.tokenizer.convert_tokens_to_ids("<|audio|>")
+    assert prompt.input_ids.count(token) == 33  # ceil(1300 / 40)
+    assert prompt.has_audio and prompt.has_images and prompt.num_images == 0
+
+
+def test_greedy_tokens_equal_mlx_vlm_alone_and_audio_matters(audio: Audio) -> None:
+    low, high = tone(220, 1.0), tone(1800, 2.2, rate=8000, channels=2)
+    cases = [audio.prompt("what is it?", [low]), audio.prompt("what is it?", [high]),
+             audio.prompt("two sounds", [low, high])]
+    outs = [audio.loop.run_until_complete(audio.tokens(f"a{i}", p)) for i, p in enumerate(cases)]
+    assert outs == [audio.reference(p) for p in cases]
+    assert outs[0] != outs[1]
+
+
+def test_audio_batched_with_image_and_text_rows_equals_alone(audio: Audio) -> None:
+    red = scene("circle", (220, 30, 30))
+    prompts = [audio.prompt("hi"), audio.prompt("what is it?", [tone(330, 0.8)]), audio.prompt("describe", [], [red]),
+               audio.prompt("both", [tone(660, 1.5)], [red]), audio.prompt("a longer text question, slowly " * 3)]
+    alone = [audio.loop.run_until_complete(audio.tokens(f"s{i}", p)) for i, p in enumerate(prompts)]
+    assert alone == [audio.reference(p) for p in prompts]
+
+    async def together() -> list[list[int]]:
+        return list(await asyncio.gather(*(audio.tokens(f"t{i}", p) for i, p in enumerate(prompts))))
+
+    assert audio.loop.run_until_complete(together()) == alone
+
+
+def test_a_prompt_with_audio_never_reuses_kv_of_other_audio(audio: Audio) -> None:
+    """The same text and token ids with a different clip: the second answer is the second clip's own."""
+    first, second = audio.prompt("again?", [tone(250, 1.0)]), audio.prompt("again?", [tone(2500, 1.0)])
+    assert first.input_ids == second.input_ids
+    audio.loop.run_until_complete(audio.tokens("c1", first))
+    assert audio.loop.run_until_complete(audio.tokens("c2", second)) == audio.reference(second)
+
+
+def test_clips_past_the_limits_are_refused() -> None:
+    with pytest.raises(AudioError, match="2-second limit"):
+        decode_audio(tone(440, 2.5), "wav", "clip 1", AudioLimits(max_seconds=2.0))
+    with pytest.raises(AudioError, match="format 'ogg'"):
+        decode_audio(tone(440, 0.5), "ogg", "clip 1", AudioLimits())
+    with pytest.raises(AudioError, match="cannot decode"):
+        decode_audio(b"RIFF" + b"\0" * 64, "wav", "clip 1", AudioLimits())
+
+
+def test_a_processor_without_its_feature_extractor_takes_no_audio(audio: Audio) -> None:
+    """mlx-vlm #903: without an extractor the processor would expand a fixed 750 placeholders and no features;
+    such a processor has no audio rate (the API's 400 names it) and phase 1 refuses the clip."""
+    import copy
+
+    from vlmserve.preprocess.prompt import PromptBuilder, PromptError
+
+    processor = copy.deepcopy(audio.engine.prompter.processor)
+    processor.feature_extractor = None
+    builder = PromptBuilder.for_processor(processor)
+    assert builder.audio_rate is None and audio.engine.prompter.audio_rate == 16_000
+    clip = decode_audio(tone(440, 0.5), "wav", "clip 1", AudioLimits())
+    with pytest.raises(PromptError, match="no feature extractor"):
+        builder.build([{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "x"}]}], audio=[clip])
+
+
+def test_a_conversion_lacking_feature_extractor_gets_mlx_vlms_defaults(audio: Audio, tmp_path: Path) -> None:
+    """mlx-vlm 0.7.10 builds Gemma 4's fixed USM extractor when processor_config.json has none: such a copy
+    hears exactly as the build does."""
+    import json
+    import shutil
+
+    from vlmserve.engine.engine_config import EngineConfig
+    from vlmserve.frontend.async_engine import AsyncEngine
+
+    copy_dir = tmp_path / "no-extractor"
+    shutil.copytree(build_model("gemma4", "micro", variant="audio"), copy_dir)
+    config_path = copy_dir / "processor_config.json"
+    config = json.loads(config_path.read_text())
+    del config["feature_extractor"]
+    config_path.write_text(json.dumps(config))
+    engine = AsyncEngine(str(copy_dir), config=EngineConfig(max_batch_size=8))
+    audio.loop.run_until_complete(engine.start())
+    try:
+        clip = decode_audio(tone(440, 1.0), "wav", "clip 1", AudioLimits())
+        messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "x"}]}]
+        assert engine.media_refusal(0, 0, 1) is None
+        prompt, built = engine.prompter.build(messages, audio=[clip]), audio.engine.prompter.build(messages, audio=[clip])
+        assert prompt.input_ids == built.input_ids
+        assert all(np.array_equal(prompt.arrays[k], built.arrays[k]) for k in ("input_features", "input_features_mask"))
+    finally:
+        audio.loop.run_until_complete(engine.shutdown())
