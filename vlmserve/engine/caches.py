@@ -62,7 +62,7 @@ def cache_policy(config: EngineConfig, adapter: ModelAdapter) -> CachePolicy:
                    "exact here")
     prefix = config.prefix_cache and not apart
     # where an image prompt's restored prefix continues exactly, one that ends before its first image does too
-    text_for_images = prefix and adapter.mm_prefix_exact and adapter.reuses_prefix
+    text_for_images = prefix and adapter.text_prefix_exact and adapter.reuses_prefix
     return CachePolicy(prefix, vision, mm_prefix, not adapter.trims_cache and (prefix or mm_prefix), text_for_images,
                        tuple(off))
 

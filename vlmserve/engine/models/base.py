@@ -107,6 +107,13 @@ class ModelAdapter:
         return False
 
     @property
+    def text_prefix_exact(self) -> bool:
+        """Does a prompt with images continue exactly from a restored prefix that ends before its first image
+        (the text store's, ``caches.text_for_images``)? Where an image prefix does; only where tested
+        (``tests/test_engine_text_before_image.py``)."""
+        return self.mm_prefix_exact
+
+    @property
     def packs_kv(self) -> str | None:
         """Why this family's KV cannot be quantized (``--kv-bits``), or None where it can: its attention
         must read a packed cache through mlx-vlm's quantized attention."""

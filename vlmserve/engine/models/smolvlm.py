@@ -15,11 +15,17 @@ from vlmserve.preprocess.image_sizes import ProcessorLimit, limit_of, sized_limi
 class SmolVLMAdapter(ModelAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("smolvlm",)
     batch_embed: ClassVar[bool] = True  # mlx-vlm's get_input_embeddings takes a padded batch (tested)
-    # mm_prefix_exact stays off: its image spans hold newline text tokens between tile rows
+    # mm_prefix_exact stays off: its image spans hold newline text tokens between tile rows (the image-keyed
+    # store's key pairs one run of image tokens with one image). The text before the first image continues
+    # exactly: positions are 1-D and causal, so its KV is that text's alone
 
     @classmethod
     def processor_limit(cls, processor: Any) -> ProcessorLimit | None:
         return limit_of(processor, lambda ip: sized_limit(ip, shrinks=False))
+
+    @property
+    def text_prefix_exact(self) -> bool:
+        return True
 
     @property
     def decoder(self) -> Any | None:
