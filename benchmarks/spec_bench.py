@@ -16,11 +16,16 @@ that a noisy machine's drift falls on both; the answers with and without specula
 (``LD_PRELOAD``, see vlmserve/blas.py); the program restarts itself under it when it is installed,
 unless ``VLMSERVE_NO_OPENBLAS`` is set.
 
-With ``--drafter DIR`` (or ``demo-gemma4-assistant``, the demo model's) the speculating engine drafts
-with that drafter model (``mtp``) instead of prompt lookup; requests with a prediction still draft
-from it.
+With ``--method KIND --drafter DIR`` (``mtp``, ``dflash``, ``eagle3`` or ``draft_model``; a drafter
+alone means ``mtp``, and ``demo-gemma4-assistant`` names the demo model's) the speculating engine
+drafts with that drafter instead of prompt lookup; requests with a prediction still draft from it.
+``--long N`` adds ``long``: a summary of an ~N-token document (Python's own ``json`` and ``textwrap``
+sources), where a wide verify costs most and the adaptive policy should stop drafting. Each cell
+reports ``per_step``: draft tokens per row step (a step of a row drafts, or decodes one token), which
+falls to ~0 where the policy stops drafting.
 
-    python benchmarks/spec_bench.py [--model real|demo|DIR] [--drafter DIR] [--concurrency 1,4,8] [--rounds 2]
+    python benchmarks/spec_bench.py [--model real|demo|DIR] [--method KIND] [--drafter DIR] [--long N]
+        [--concurrency 1,4,8] [--rounds 2] [--forced] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import inspect
 import json
 import os
 import sys
@@ -70,6 +76,14 @@ def real_workloads() -> list[Workload]:
             Workload("edit", _text(f"Here is a JSON object:\n{RECORD}\nWrite it again with the city changed to "
                                    "Paris. Answer with the JSON only."), [], RECORD),
             Workload("free", _text("Write a short story about a lighthouse keeper and a storm."), [], None)]
+
+
+def long_workload(tokens: int) -> Workload:
+    """A summary of ~``tokens`` tokens of Python's own sources (~3.3 characters a token with SmolLM2's BPE)."""
+    import json.decoder
+    import textwrap
+    text = (inspect.getsource(json.decoder) + inspect.getsource(textwrap))[:int(tokens * 3.3)]
+    return Workload("long", _text(f"Summarize what this code does in plain English.\n\n{text}"), [], None)
 
 
 def demo_workloads(caption: str) -> list[Workload]:
@@ -117,6 +131,7 @@ async def _run(args: argparse.Namespace, model: str, spec: SpeculativeConfig, le
         else:
             workloads = real_workloads()
         workloads = [w for w in workloads if w.name in args.workloads.split(",")]
+        workloads += [long_workload(args.long)] if args.long else []
         cells: dict[str, dict[str, dict[str, Any]]] = {"off": {}, "spec": {}}
         with progress(desc=f"{spec.method} against none: workloads x concurrency",
                       total=len(workloads) * len(levels)) as bar:
@@ -136,11 +151,14 @@ async def _run(args: argparse.Namespace, model: str, spec: SpeculativeConfig, le
                     after = await engines["spec"].stats()
                     drafted = after.spec_draft_tokens - before.spec_draft_tokens
                     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+                    # a row step yields one token plus those of its draft accepted
+                    row_steps = after.generated_tokens - before.generated_tokens - accepted
                     for name in cells:
                         total = sum(len(o) for o in outputs[name])
                         cells[name][f"{work.name}/{c}"] = {
                             "tok_s": total / seconds[name], "tokens": total // len(outputs[name]),
                             "drafted": drafted, "acceptance": accepted / drafted if drafted else None,
+                            "per_step": drafted / max(row_steps, 1),
                             "outputs": outputs[name]}
                     bar.update()
         return cells["off"], cells["spec"]
@@ -158,7 +176,7 @@ def _rows(off: dict[str, dict[str, Any]], spec: dict[str, dict[str, Any]]) -> li
         rows.append({"workload": name, "c": int(c), "tokens": cell["tokens"], "tok_s_off": round(base["tok_s"], 1),
                      "tok_s_spec": round(cell["tok_s"], 1), "ratio": round(cell["tok_s"] / base["tok_s"], 2),
                      "acceptance": None if cell["acceptance"] is None else round(cell["acceptance"], 3),
-                     "drafted": cell["drafted"]})
+                     "drafted": cell["drafted"], "per_step": round(cell["per_step"], 2)})
     return rows
 
 
@@ -195,7 +213,11 @@ def main() -> None:
     parser.add_argument("--workloads", default="copy,edit,free")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--drafter", default=None, help="a drafter model (mtp) instead of ngram drafts")
+    parser.add_argument("--method", default=None, help="ngram (default), mtp, dflash, eagle3 or draft_model")
+    parser.add_argument("--drafter", default=None, help="the drafter model of --method (alone: mtp)")
+    parser.add_argument("--long", type=int, default=0, help="add a long-prompt workload of ~N tokens")
+    parser.add_argument("--forced", action="store_true", help='"adaptive": false: draft on every step')
+    parser.add_argument("--tag", default=None, help="the results' file name (default: model and drafter)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     library = find_openblas()
@@ -209,21 +231,24 @@ def main() -> None:
     else:
         model = str(DEMO_MODEL_DIR) if args.model == "demo" else args.model
     levels = [int(c) for c in args.concurrency.split(",")]
-    method = SpeculativeConfig(num_speculative_tokens=args.k)
-    if args.drafter:
-        method = SpeculativeConfig(method="mtp", model=resolve_drafter(args.drafter), num_speculative_tokens=args.k)
+    kind = args.method or ("mtp" if args.drafter else "ngram")
+    drafter = resolve_drafter(args.drafter) if args.drafter else None
+    method = SpeculativeConfig(method=kind, model=drafter, num_speculative_tokens=args.k, adaptive=not args.forced)
     off, spec = asyncio.run(_run(args, model, method, levels))
     rows = _rows(off, spec)
     print(f"model {Path(model).name}, dtype {args.dtype}, BLAS: {'OpenBLAS' if openblas_preloaded() else 'reference'}")
-    print("| workload | c | tokens | tok/s off | tok/s spec | ratio | acceptance | draft tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"method {kind}" + (f", drafter {Path(drafter).name}" if drafter else "") + (", forced" if args.forced else ""))
+    print("| workload | c | tokens | tok/s off | tok/s spec | ratio | acceptance | draft tokens | per row step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         acceptance = "-" if r["acceptance"] is None else r["acceptance"]
         print(f"| {r['workload']} | {r['c']} | {r['tokens']} | {r['tok_s_off']} | {r['tok_s_spec']} | {r['ratio']}x | "
-              f"{acceptance} | {r['drafted']} |")
+              f"{acceptance} | {r['drafted']} | {r['per_step']} |")
     args.out.mkdir(parents=True, exist_ok=True)
-    name = Path(model).name + (f"-{Path(args.drafter).name}" if args.drafter else "")
-    (args.out / f"spec_bench-{name}.json").write_text(json.dumps(rows, indent=1))
+    name = args.tag or Path(model).name + (f"-{Path(args.drafter).name}" if args.drafter else "")
+    meta = {"model": Path(model).name, "method": kind, "drafter": drafter and Path(drafter).name, "k": args.k,
+            "rounds": args.rounds, "max_tokens": args.max_tokens, "dtype": args.dtype, "adaptive": not args.forced}
+    (args.out / f"spec_bench-{name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     _plot(rows, args.out / f"spec_bench-{name}.png", f"speculative decoding, {name}")
 
 

@@ -141,3 +141,30 @@ def test_a_draft_model_of_another_tokenizer_is_refused_at_load_in_one_line(
 def test_a_draft_model_needs_its_model() -> None:
     with pytest.raises(ValueError, match='"draft_model" needs its drafter'):
         SpeculativeConfig(method="draft_model")
+
+
+def test_a_draft_model_cut_from_a_smolvlm_llama_drafts_its_tokens_and_distills(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A SmolVLM's text model is a Llama whose tensors mlx-vlm does not nest under ``model.``: cut whole, the
+    draft model loads in mlx-lm's layout and every draft of a text prompt is accepted. A one-layer cut goes
+    through a step of distillation (vlmserve/testing/distill_draft.py, as benchmarks/spec_bench.py's
+    SmolLM2 draft) and loads again."""
+    import mlx_lm
+
+    from vlmserve.testing.distill_draft import distill
+
+    target = Path(build_model("smolvlm", "micro"))
+    whole = build_draft_model(target, tmp_path_factory.getbasetemp() / "smolvlm-draft-all")
+    family = _serve(target, whole)
+    got: list[Any] = []
+    try:
+        prompt = family.prompt(TEXT)
+        drafted, accepted = _accepted(family, lambda: got.append(_outputs(family, "s0", prompt, GREEDY)))
+        assert got[0].token_ids == family.reference(prompt, GREEDY.max_tokens)
+        assert drafted > 0 and accepted >= 0.95 * drafted, (drafted, accepted)
+    finally:
+        _stop(family)
+    small = build_draft_model(target, tmp_path_factory.getbasetemp() / "smolvlm-draft-1", layers=1)
+    info = distill(whole, small, minutes=0.0, batch_size=2, length=64)
+    assert info["steps"] == 1 and 0.0 <= info["agreement_after"] <= 1.0
+    assert len(mlx_lm.load(str(small))[0].model.layers) == 1
