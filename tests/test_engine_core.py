@@ -34,6 +34,7 @@ class FakeAdapter:
     reuses_prefix: bool = True
     vision_cache: bool = False
     mm_prefix_exact: bool = False
+    text_prefix_exact: bool = False
     mm_prefix_limit: int | None = None
     trims_cache: bool = True
     verifies_drafts: bool = True
@@ -42,6 +43,9 @@ class FakeAdapter:
         return not prompt.has_images
 
     def media_token_ids(self) -> frozenset[int]:
+        return frozenset()
+
+    def last_run_marks(self, processor: Any) -> frozenset[int]:
         return frozenset()
 
     def can_batch(self, prompt: PromptInputs) -> bool:
@@ -110,7 +114,8 @@ class Harness:
         self.runner = runner
         self.worker = MLXWorkerThread(name="core-test")
         self.worker.start()
-        loaded = SimpleNamespace(eos_token_ids=frozenset({EOS}), max_context=1 << 20, adapter=FakeAdapter())
+        loaded = SimpleNamespace(eos_token_ids=frozenset({EOS}), max_context=1 << 20, adapter=FakeAdapter(),
+                                 processor=None)
         self.steps: queue.SimpleQueue[StepOutputs] = queue.SimpleQueue()
         self.core = self.worker.call(EngineCore, loaded, self.worker, self.steps.put, config, runner)
         self.worker.set_stepper(self.core)

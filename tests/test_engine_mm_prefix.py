@@ -9,7 +9,10 @@ never reuses KV.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import shutil
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +25,19 @@ from vlmserve.testing import build_model
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 RED, BLUE = scene("circle", (220, 30, 30)), scene("square", (30, 60, 220))
+
+
+def micro_model(arch: str, tmp_path: Path) -> Path:
+    """A micro model; ``smolvlm_tiles``: SmolVLM's with image splitting on, as the real processor's, so that
+    a 96 px picture is a 2x2 grid of 64 px tiles (rows broken by newline tokens) and then its global view."""
+    if arch != "smolvlm_tiles":
+        return build_model(arch, "micro")
+    path = tmp_path / "smolvlm-tiles"
+    shutil.copytree(build_model("smolvlm", "micro"), path)
+    config = json.loads((path / "processor_config.json").read_text())
+    config["image_processor"].update(do_image_splitting=True, size={"longest_edge": 128})
+    (path / "processor_config.json").write_text(json.dumps(config))
+    return path
 
 
 def _turns(answer: str, image_first: bool = True) -> list[dict[str, Any]]:
@@ -39,9 +55,10 @@ async def _run(engine, rid: str, messages: list[dict[str, Any]], images) -> tupl
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "gemma3", "gemma4", "llava", "glm4v",
-                                  "glm4v_moe", "llama4", "kimi_vl", "qwen3_vl_moe", "internvl_chat"])
-def test_a_later_turn_reuses_the_picture_and_answers_as_a_cold_prefill(arch):
-    model = build_model(arch, "micro")
+                                  "glm4v_moe", "llama4", "kimi_vl", "qwen3_vl_moe", "internvl_chat", "smolvlm",
+                                  "smolvlm_tiles"])
+def test_a_later_turn_reuses_the_picture_and_answers_as_a_cold_prefill(arch, tmp_path):
+    model = micro_model(arch, tmp_path)
     first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
 
     async def scenario(mm: bool):
@@ -65,10 +82,9 @@ def test_a_later_turn_reuses_the_picture_and_answers_as_a_cold_prefill(arch):
     assert cold_cached < 0 and cold_stats.mm_prefix is None and stats.mm_prefix.hits >= 1
 
 
-@pytest.mark.parametrize("arch", ["smolvlm", "paligemma", "llava_next"])
+@pytest.mark.parametrize("arch", ["paligemma", "llava_next"])
 def test_families_where_reuse_is_not_proven_exact_keep_the_default(arch):
-    """SmolVLM's image spans hold newline text tokens between tile rows (an image is not one run of the
-    key); PaliGemma's prompt tokens see later ones; LLaVA-NeXT merges more features than it has tokens.
+    """PaliGemma's prompt tokens see later ones; LLaVA-NeXT merges more features than it has tokens.
     With the flag they never reuse an image prompt's KV."""
     async def scenario():
         async with running_engine(build_model(arch, "micro"), mm_prefix_cache=True) as engine:
@@ -178,11 +194,12 @@ def test_two_chats_with_the_same_words_about_pictures_one_pixel_apart_never_shar
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "llava",
                                   "pixtral", "mistral3", "lfm2_vl", "glm4v", "glm4v_moe", "llama4",
-                                  "kimi_vl", "qwen3_vl_moe", "qwen3_5_moe", "internvl_chat"])
-def test_four_turns_with_a_second_picture_in_turn_three_batched_with_other_traffic(arch):
+                                  "kimi_vl", "qwen3_vl_moe", "qwen3_5_moe", "internvl_chat", "smolvlm",
+                                  "smolvlm_tiles"])
+def test_four_turns_with_a_second_picture_in_turn_three_batched_with_other_traffic(arch, tmp_path):
     """Issue 33's exactness check: each turn runs beside a text request and another image request;
     every turn's greedy tokens equal the cache-off engine's, and turns 2-4 report cached tokens."""
-    model = build_model(arch, "micro")
+    model = micro_model(arch, tmp_path)
 
     def prompt(k: int) -> tuple[list[dict[str, Any]], list]:
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
@@ -388,3 +405,63 @@ def test_a_stored_prefix_holds_its_kv_and_no_more():
 
     sizes = asyncio.run(scenario())
     assert all(entries == 1 and stored == kv for entries, stored, kv in sizes), sizes  # a longer turn replaces its prefix
+
+
+def _key_before(prompt, media_ids):
+    """``prefix_key``'s walk before SmolVLM's tiles (one run, one image), kept to show every other family's
+    keys are unchanged."""
+    key, images, previous_media, pseudo = [], iter(prompt.images), False, 0
+    for token in prompt.input_ids:
+        media = token in media_ids
+        if media and not previous_media:
+            item = next(images, None)
+            if item is None:
+                return None
+            pseudo = -1 - int(item.key[:15], 16)
+        key.append(pseudo if media else token)
+        previous_media = media
+    return key if next(images, None) is None else None
+
+
+def test_only_smolvlm_pairs_several_runs_with_one_image_and_every_other_key_is_unchanged():
+    from vlmserve.engine.models import _ADAPTERS
+    from vlmserve.engine.models.base import ModelAdapter
+    from vlmserve.engine.params import ImageItem, PromptInputs, prefix_key
+
+    marking = [a for a in _ADAPTERS if a.last_run_marks is not ModelAdapter.last_run_marks]
+    assert [a.model_types for a in marking] == [("smolvlm",)]  # every other family passes no marks
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # multi-image prompts of every layout: runs of 7, span tokens 8 and 9, text 1-6
+        ids = [int(t) for t in rng.choice([1, 2, 3, 4, 5, 6, 7, 7, 7, 8, 9], size=int(rng.integers(1, 40)))]
+        runs = sum(1 for i, t in enumerate(ids) if t in (7, 8, 9) and (i == 0 or ids[i - 1] not in (7, 8, 9)))
+        for images in {runs, max(runs - 1, 0), runs + 1}:
+            items = tuple(ImageItem(f"{k:032x}", {}) for k in range(1, images + 1))
+            prompt = PromptInputs(ids, {"pixel_values": np.zeros((1, 3))}, images, items)
+            assert prefix_key(prompt, frozenset({7, 8, 9})) == _key_before(prompt, frozenset({7, 8, 9}))
+
+
+def test_a_tiled_smolvlm_image_keys_all_its_runs_with_its_own_hash(tmp_path):
+    async def keys():
+        async with running_engine(micro_model("smolvlm_tiles", tmp_path), mm_prefix_cache=True) as engine:
+            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And"},
+                                                     {"type": "image"}]}]
+            adapter = engine.loaded.adapter
+            media, marks = adapter.media_token_ids(), adapter.last_run_marks(engine.loaded.processor)
+            out = []
+            for pictures in ([RED, BLUE], [RED, BLUE], [RED, RED], [BLUE, BLUE]):
+                prompt = await engine.preprocess(lambda p, i=pictures: p.build(messages, i, None))
+                out.append((prompt.input_ids, prefix_key(prompt, media, marks)))
+            return out, media
+
+    from vlmserve.engine.params import prefix_key
+
+    out, media = asyncio.run(keys())
+    ids, key = out[0]
+    runs = [i for i, t in enumerate(ids) if t in media and ids[i - 1] not in media]
+    assert len(runs) == 10 and len(key) == len(ids)  # 2x2 tiles and the global view, twice
+    first, second = {key[i] for i in runs[:5]}, {key[i] for i in runs[5:]}
+    assert len(first) == len(second) == 1 and first != second and min(first | second) < 0
+    assert out[1][1] == key  # the same pictures: the same key
+    same_first = next(i for i, (a, b) in enumerate(zip(key, out[2][1])) if a != b)
+    assert same_first == runs[5]  # another second picture: the keys part at its first tile
+    assert next(i for i, (a, b) in enumerate(zip(key, out[3][1])) if a != b) == runs[0]

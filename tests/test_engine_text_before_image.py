@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from conftest import gather, running_engine, scene
+from test_engine_mm_prefix import micro_model
 
 from vlmserve.engine.params import SamplingParams
 from vlmserve.preprocess.video import VideoSampling, decode_video
@@ -62,22 +63,23 @@ def _check(warm: list[tuple[list[int], int, int, int]], cold: list[tuple[list[in
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "llava",
                                   "pixtral", "mistral3", "lfm2_vl", "glm4v", "glm4v_moe", "llama4",
-                                  "kimi_vl", "qwen3_vl_moe", "qwen3_5_moe", "internvl_chat"])
-def test_the_first_screenshot_reuses_the_previous_text_turn_with_the_image_keyed_cache(arch):
+                                  "kimi_vl", "qwen3_vl_moe", "qwen3_5_moe", "internvl_chat", "smolvlm",
+                                  "smolvlm_tiles"])
+def test_the_first_screenshot_reuses_the_previous_text_turn_with_the_image_keyed_cache(arch, tmp_path):
     """With ``--mm-prefix-cache``: turn 2 reuses turn 1's text prompt from the text store, turn 3 turn 2's
-    prompt, its picture included, from the image-keyed store."""
-    model = build_model(arch, "micro")
+    prompt, its picture included, from the image-keyed store (``smolvlm_tiles``: a 2x2 grid and a view)."""
+    model = micro_model(arch, tmp_path)
     warm = asyncio.run(_turns(model, mm_prefix_cache=True))
     cold = asyncio.run(_turns(model, prefix_cache=False))
     _check(warm, cold)
     assert warm[2][1] > warm[2][3], warm[2]  # past the text before the first picture
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma4", "lfm2_vl", "smolvlm"])
-def test_by_default_an_image_prompt_reuses_the_text_before_its_first_image_and_no_more(arch):
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma4", "lfm2_vl", "smolvlm", "smolvlm_tiles"])
+def test_by_default_an_image_prompt_reuses_the_text_before_its_first_image_and_no_more(arch, tmp_path):
     """Default flags: the text store serves the text before the first image, never an image's KV (turn 3
     reuses no more than the text before turn 2's picture, which its prompt repeats)."""
-    model = build_model(arch, "micro")
+    model = micro_model(arch, tmp_path)
     warm = asyncio.run(_turns(model))
     cold = asyncio.run(_turns(model, prefix_cache=False))
     _check(warm, cold)

@@ -77,6 +77,7 @@ class EngineCaches:
         self.vision = vision
         self.mm_prefix = mm_prefix  # prompts with images (opt-in), keyed by their images' content too
         self.media_ids = media_ids  # the model's image placeholder token ids
+        self.last_run_marks: frozenset[int] = frozenset()  # the adapter's: an image's last run follows one
         self.mm_limit = mm_limit  # the longest image prompt reused (the adapter's mm_prefix_limit)
         self.text_for_images = text_for_images  # image prompts look up the text before their first image
         self._reserved: dict[str, Reuse] = {}  # prefixes found at admission, by request id, until entered
@@ -94,7 +95,7 @@ class EngineCaches:
 
     def _keyed(self, prompt: PromptInputs) -> tuple[PrefixCache | None, list[int] | None]:
         store = self._store(prompt)
-        key = prefix_key(prompt, self.media_ids) if store is not None else None
+        key = prefix_key(prompt, self.media_ids, self.last_run_marks) if store is not None else None
         return (store, key) if key is not None else (None, None)
 
     def _lookups(self, prompt: PromptInputs) -> list[tuple[PrefixCache, list[int]]]:

@@ -140,6 +140,7 @@ class EngineCore:
         self.caches.mm_prefix = PrefixCache(config.prefix_cache_entries, config.mm_prefix_cache_bytes, tier, IMAGES) \
             if policy.mm_prefix else None
         self.caches.media_ids = self.loaded.adapter.media_token_ids()
+        self.caches.last_run_marks = self.loaded.adapter.last_run_marks(self.loaded.processor)
         self.caches.mm_limit = self.loaded.adapter.mm_prefix_limit
         self.caches.text_for_images = policy.text_for_images
 

@@ -138,30 +138,39 @@ class PromptInputs:
         return len(self.input_ids)
 
 
-def prefix_key(prompt: PromptInputs, media_ids: frozenset[int]) -> list[int] | None:
-    """The prompt's token ids with each image's placeholder run written as one id of its own, made
+def prefix_key(prompt: PromptInputs, media_ids: frozenset[int],
+               last_run_marks: frozenset[int] = frozenset()) -> list[int] | None:
+    """The prompt's token ids with each image's placeholder runs written as one id of its own, made
     from the image's content hash (negative: never a real token), so that a cached prefix matches
-    only up to the first position where a token or an image differs. None where the images have no
-    hash each or their runs do not pair one to one with them (a clip whose frames are runs of their
-    own: Qwen3-VL's, Qwen3.5's and Gemma 4's time-stamped groups)."""
+    only up to the first position where a token or an image differs. An image is one run, or where
+    ``last_run_marks`` is given (SmolVLM's tiles), every run up to the one right after a mark. None
+    where the images have no hash each or their runs do not pair with them (a clip whose frames are
+    runs of their own: Qwen3-VL's, Qwen3.5's and Gemma 4's time-stamped groups)."""
     if not prompt.has_images:
         return prompt.input_ids
     if not media_ids or len(prompt.images) != prompt.num_images or prompt.has_audio:
         return None  # a clip has no content hash here: a prompt with audio is never keyed (nor reused)
     if prompt.has_videos and "pixel_values" in prompt.arrays:
         return None  # items are images, then videos: runs of both kinds would not pair in prompt order
-    key, images, previous_media = [], iter(prompt.images), False
-    pseudo = 0
+    return _image_runs_keyed(prompt, media_ids, last_run_marks)
+
+
+def _image_runs_keyed(prompt: PromptInputs, media_ids: frozenset[int], marks: frozenset[int]) -> list[int] | None:
+    key: list[int] = []
+    images, previous, pseudo, open_image = iter(prompt.images), -1, 0, False
     for token in prompt.input_ids:
         media = token in media_ids
-        if media and not previous_media:
-            item = next(images, None)
-            if item is None:
-                return None
-            pseudo = -1 - int(item.key[:15], 16)
+        if media and previous not in media_ids:
+            if not open_image:  # a new image's first run
+                item = next(images, None)
+                if item is None:
+                    return None
+                pseudo = -1 - int(item.key[:15], 16)
+            # without marks every run is an image; with them, the run right after a mark ends its image
+            open_image = bool(marks) and previous not in marks
         key.append(pseudo if media else token)
-        previous_media = media
-    return key if next(images, None) is None else None
+        previous = token
+    return key if next(images, None) is None and not open_image else None
 
 
 def text_key(prompt: PromptInputs, media_ids: frozenset[int]) -> list[int] | None:

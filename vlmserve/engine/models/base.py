@@ -162,6 +162,12 @@ class ModelAdapter:
         ids = {getattr(config, name, None) for name in ("image_token_id", "image_token_index", "video_token_id")}
         return frozenset(i for i in ids if isinstance(i, int)) | self.span_token_ids
 
+    def last_run_marks(self, processor: Any) -> frozenset[int]:
+        """Tokens right before an image's last run of placeholders, where an image's span holds several runs
+        with text between them (SmolVLM's tiles, rows broken by newlines): the image-keyed store's key
+        pairs them all with the one image. Empty: each run is one image."""
+        return frozenset()
+
     def make_cache(self) -> list[Any]:
         """One request's KV cache (mlx-vlm's fallback where the model has no ``make_cache``)."""
         return make_prompt_cache(self.language_model)
