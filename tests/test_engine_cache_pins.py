@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from vlmserve.engine.prefix_cache import PrefixCache
+from vlmserve.engine.prefix_cache import PrefixCache, compact
 
 
 class Clock:
@@ -99,3 +99,17 @@ def test_an_entry_that_cannot_be_cut_back_keeps_its_own_pin_beside_a_longer_one(
     store.store(prompt(2), state(8))
     assert store.stats().entries == 2 and store.stats().pinned == 1
     assert cached(store, prompt(1)) == 8 and cached(store, prompt(1, 12)) == 8  # the longer one went
+
+
+def test_a_prompt_larger_than_the_store_is_not_kept_and_evicts_nothing(caplog):
+    """Its KV alone is more than the store's bytes: inserted, it would evict every other entry and then itself.
+    It is left out (said once in the log), and the others stay."""
+    one = sum(c.nbytes for c in compact(kv(8)))  # as stored: cut to its filled positions
+    store = PrefixCache(8, 3 * one)
+    store.store(prompt(1), kv(8))
+    store.store(prompt(2), kv(8))
+    with caplog.at_level("WARNING", logger="vlmserve.engine.prefix_cache"):
+        store.store(prompt(3, 40), kv(40))
+        store.store(prompt(4, 40), kv(40))
+    assert [cached(store, prompt(t)) for t in (1, 2)] == [8, 8] and cached(store, prompt(3, 40)) == 0
+    assert store.oversize == 2 and len([r for r in caplog.records if "more than this prefix cache" in r.message]) == 1

@@ -10,6 +10,7 @@ every image's content hash (``engine/caches.py``).
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from vlmserve.engine.disk_tier import DiskTier
 from vlmserve.engine.kv_quant import compact_layer
 
 _PLAIN_KV = (KVCache, VlmKVCache)  # mlx-lm's and mlx-vlm's own: the same layout (keys [B, heads, capacity, dim])
+
+log = logging.getLogger(__name__)
 
 _KEY = "model"  # LRUPromptCache is keyed by model too; one cache serves one model
 
@@ -85,6 +88,7 @@ class PrefixCache:
         self.hit_tokens = 0
         self.query_tokens = 0
         self.budget_evictions = 0
+        self.oversize = 0  # prompts whose KV alone was more than the store holds (said once in the log)
 
     def find(self, tokens: list[int]) -> Reuse | None:
         """The longest cached prefix of ``tokens`` to reuse (at least one token is left to compute), not yet
@@ -136,12 +140,28 @@ class PrefixCache:
 
     def store(self, tokens: list[int], cache: list[Any], ttl: float = 0.0) -> None:
         """Keep a finished prefill's KV, compacted (``compact``), pinned for ``ttl`` seconds (0: not); the
-        caller must not mutate ``cache`` afterwards."""
+        caller must not mutate ``cache`` afterwards. A prompt whose KV alone is more than the store holds
+        goes to the disk tier, if any, and never evicts the others for nothing (said once in the log)."""
+        cache = compact(cache)
+        size = sum(c.nbytes for c in cache)
+        if size > self._lru.max_bytes:
+            self._oversize(len(tokens), size)
+            if self.tier is not None:
+                self.tier.spill(self.marker, list(tokens), cache)
+            return
         key, now = tuple(tokens), self._clock()
         until = max([now + ttl if ttl > 0 else 0.0, *self._absorbed(key, cache, now)])
         if until > now:  # before the insert: its bounds must not evict the new entry as unpinned
             self._pins[key] = max(until, self._pins.get(key, 0.0))
-        self._lru.insert_cache(_KEY, list(tokens), compact(cache))
+        self._lru.insert_cache(_KEY, list(tokens), cache)
+
+    def _oversize(self, tokens: int, size: int) -> None:
+        self.oversize += 1
+        if self.oversize == 1:
+            log.warning("a prompt of %d tokens holds %.0f MiB of KV, more than this prefix cache's %.0f MiB: it is "
+                        "not kept in memory%s (raise --prefix-cache-gb / --mm-prefix-cache-gb for long sessions)",
+                        tokens, size / 2**20, self._lru.max_bytes / 2**20,
+                        ", only on disk" if self.tier is not None else "; --prefix-cache-dir keeps it on disk")
 
     def _absorbed(self, key: tuple[int, ...], cache: list[Any], now: float) -> list[float]:
         """The pins of the stored prefixes of ``key`` that storing it drops (a trimmable cache keeps only
