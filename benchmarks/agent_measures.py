@@ -67,7 +67,8 @@ def kept_warm(b: Any, path: Path, count: Any, cold: Callable[[], Client], bar: P
     ``b`` is agent_session's ``Bench``: its servers and sessions."""
     turn, sessions, loads = b.args.warm_turn, [], []
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(dir=b.args.out) as cache_dir:
-        server = b.serve(stack, "warm-disk", path, ["--prefix-cache-dir", cache_dir])
+        # no warm-up: its prompt would be one more entry, and every entry here must be a session's
+        server = b.serve(stack, "warm-disk", path, ["--prefix-cache-dir", cache_dir], warm=False)
         resend = lambda i: server.messages(messages_request(sessions[i], turn, cache_control=False),  # noqa: E731
                                            max_tokens=1).to_json()
         while len(sessions) < b.args.max_warm_sessions:

@@ -226,8 +226,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for ax in list(axes.flat)[len(runs):]:
         ax.axis("off")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"Agent session, scale {result['args']['scale']} ({result['first']:,} -> {result['last']:,} tokens); "
-                 "dotted: a screenshot", fontsize=9)
+    fig.suptitle(f"Agent session, scale {result['args']['scale']}: TTFT per turn, warm against a cold prefill "
+                 "(dotted: a screenshot)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -80,8 +80,8 @@ class Bench:
         self.first, self.last = int(FIRST * args.scale), int(LAST * args.scale)
         self.cold_turns = {int(t) for t in args.cold_turns.split(",") if t}
 
-    def serve(self, stack: contextlib.ExitStack, label: str, path: Path, flags: list[str]) -> Client:
-        """A vlmserve server until ``stack`` closes (then SIGTERM)."""
+    def serve(self, stack: contextlib.ExitStack, label: str, path: Path, flags: list[str], warm: bool = True) -> Client:
+        """A vlmserve server until ``stack`` closes (then SIGTERM); ``warm``: after one unrelated request."""
         port, log = free_port(), self.args.out / f"{label}.log"
         log.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "vlmserve", "serve", "--model", str(path), "--port", str(port),
@@ -91,7 +91,8 @@ class Bench:
             tail = " ".join(log.read_text(errors="replace").strip().splitlines()[-3:])[:400]
             raise RuntimeError(f"{label}: {info['failed']}; log: {tail}")
         client = Client(f"http://127.0.0.1:{port}", str(path), self.args.max_tokens)
-        warm_up(client, "--mm-prefix-cache" in flags or "qwen" in label)
+        if warm:
+            warm_up(client, "--mm-prefix-cache" in flags or "qwen" in label)
         return client
 
     def cold(self, stack: contextlib.ExitStack, label: str, path: Path) -> Cold:
