@@ -168,3 +168,26 @@ def test_a_conversion_lacking_feature_extractor_gets_mlx_vlms_defaults(audio: Au
         assert all(np.array_equal(prompt.arrays[k], built.arrays[k]) for k in ("input_features", "input_features_mask"))
     finally:
         audio.loop.run_until_complete(engine.shutdown())
+
+
+def test_decoding_a_clip_never_loads_mlx() -> None:
+    """Phase 1 decodes on the pool: mlx-audio's reader and resampler are numpy in and out, and MLX stays
+    unloaded in a process that only decodes (44.1 kHz stereo, resampled to 16 kHz)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import io, sys, wave
+        import numpy as np
+        from vlmserve.preprocess.audio import AudioLimits, decode_audio
+        out = io.BytesIO()
+        with wave.open(out, "wb") as w:
+            w.setnchannels(2); w.setsampwidth(2); w.setframerate(44100)
+            w.writeframes((np.sin(np.arange(44100 * 2) / 9) * 8000).astype("<i2").tobytes())
+        samples = decode_audio(out.getvalue(), "wav", "clip", AudioLimits())
+        assert samples.dtype == np.float32 and abs(len(samples) - 16000) < 10, len(samples)
+        assert not any(m == "mlx" or m.startswith("mlx.") for m in sys.modules), sorted(m for m in sys.modules if "mlx" in m)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

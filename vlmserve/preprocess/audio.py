@@ -3,6 +3,8 @@
 Decoded as mlx-vlm's own ``load_audio`` decodes a file (mlx-audio's miniaudio reader, its polyphase
 resampler to the feature extractor's rate, channels averaged), so a clip gives the same waveform here
 as there. Bounded before and while decoding: bytes, then seconds (the decoder stops just past the limit).
+The two pieces of mlx-audio used here are numpy in and out (miniaudio, scipy): they never load MLX, so no
+array is made off the worker (tests/test_audio.py checks that in a fresh process).
 """
 
 from __future__ import annotations
