@@ -12,10 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import gather
 from test_engine_speculative import Drafts, agree, batched_drafts, greedy_alone_and_batched, sampling_kept
 from test_families import Family, _start, _stop
 
@@ -43,9 +41,6 @@ def dflash(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Family]:
     yield started
     _stop(started)
 
-
-def _outputs(family: Family, request_id: str, prompt: Any, params: SamplingParams) -> Any:
-    return family.run(gather(family.engine.generate(request_id, prompt, params)))
 
 
 def test_dflash_gives_the_targets_greedy_tokens_alone_and_batched_beside_rows_that_do_not_draft(

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import gather, scene
-from test_engine_speculative import sampling_kept
+from test_engine_speculative import _outputs, sampling_kept
 from test_families import Family, _start, _stop
 
 from vlmserve.engine.loader import ModelLoadError
@@ -52,9 +52,6 @@ def same(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Family]:
     yield started
     _stop(started)
 
-
-def _outputs(family: Family, request_id: str, prompt: Any, params: SamplingParams) -> Any:
-    return family.run(gather(family.engine.generate(request_id, prompt, params)))
 
 
 def _accepted(family: Family, run: Any) -> tuple[int, int]:

@@ -15,15 +15,13 @@ the target's own best token is outside that vocabulary (``test_mlx_vlms_hot_veri
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import gather
-from test_engine_speculative import greedy_alone_and_batched, sampling_kept
+from test_engine_speculative import _outputs, agree, batched_drafts, greedy_alone_and_batched, sampling_kept
 from test_families import Family, _start, _stop
 
 from vlmserve.engine.loader import ModelLoadError
@@ -53,9 +51,6 @@ def eagle3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Family]:
     yield started
     _stop(started)
 
-
-def _outputs(family: Family, request_id: str, prompt: Any, params: SamplingParams) -> Any:
-    return family.run(gather(family.engine.generate(request_id, prompt, params)))
 
 
 def test_eagle3_gives_the_targets_greedy_tokens_alone_and_batched_beside_rows_that_do_not_draft(
@@ -112,34 +107,8 @@ def test_the_eagle3_drafter_drafts_what_mlx_vlms_class_drafts_over_the_whole_con
     theirs: dict[tuple[int, int, int], list[int]] = {}
     for which, prompt in enumerate(prompts):
         theirs.update(_their_drafts(eagle3, prompt, which, params.max_tokens, spec.num_speculative_tokens))
-    ours: dict[tuple[int, int, int], list[int]] = {}
-    drafter = eagle3.engine.loaded.drafter
-    assert drafter is not None
-    draft = drafter.draft
-
-    def recorded(batch: Any, rows: list[int], inputs: list[int], k: int) -> Any:
-        out = draft(batch, rows, inputs, k)
-        positions = batch.draft.position.tolist()
-        for i, d in out.items():
-            ours[(int(batch.request_ids[i][2:]), positions[i], inputs[i])] = list(d)
-        return out
-
-    want = [eagle3.reference(p, params.max_tokens) for p in prompts]
-    asked = [params, params, dataclasses.replace(params, prediction=tuple(want[2][:7]))]
-
-    async def together() -> list[list[int]]:
-        return await asyncio.gather(*(eagle3.tokens(f"eq{i}", p, q) for i, (p, q) in enumerate(zip(prompts, asked))))
-
-    drafter.draft = recorded  # type: ignore[method-assign]
-    try:
-        assert eagle3.run(together()) == want
-    finally:
-        del drafter.draft
-    both = theirs.keys() & ours.keys()
-    for key in both:  # a batch drafts as many as its widest row may keep: the first ones agree
-        assert ours[key] == theirs[key][:len(ours[key])], (key, ours[key], theirs[key])
-    assert len(both) >= 25 and {w for w, _, _ in both} == {0, 1, 2}, (sorted(theirs), sorted(ours))
-    assert min(p for w, p, _ in both if w == 2) > len(prompts[2].input_ids) + 5  # after its prediction's tokens
+    ours = batched_drafts(eagle3, prompts, params, "eq")
+    agree(ours, theirs, prompts)  # a batch drafts as many as its widest row may keep: the first ones agree
     hot = {t for d in ours.values() for t in d}
     assert len(hot) > 5  # drafts of many tokens, each a target id the hot vocabulary maps to
 
