@@ -144,14 +144,14 @@ def test_transcription_refusals(client: openai.OpenAI) -> None:
 
 
 def test_the_readme_example_prints_what_it_says(server: ServerProcess, tmp_path: Any) -> None:
-    """README's "Audio" example, against this server (port 8002 and a published name there)."""
+    """docs/embeddings-rerank-audio.md's "Audio" example, against this server (port 8002 and a published name there)."""
     import re
     import subprocess
     import sys
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("### Audio: ", 1)[1].split("\n### ", 1)[0]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "embeddings-rerank-audio.md").read_text()
+    section = page.split("## Audio: ", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"^```python\n(.*?)^```\n", section, re.S | re.M)
     assert block is not None
     said = re.compile(r"\n*prints `([^`]+)`").match(section, block.end())

@@ -28,7 +28,7 @@ EMBEDDER, VL_EMBEDDER, RERANKER = "Qwen3-Embedding-0.6B", "Qwen3-VL-Embedding-2B
 CROSS_ENCODER = "ms-marco-MiniLM-L-6-v2"
 MAX_LEN = 400  # --max-model-len: tokens per input
 TEXTS = ["The cat sat on the mat.", "def add(a, b):\n    return a + b", "import numpy as np", "x"]
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "embeddings-rerank-audio.md"  # its examples run here
 
 
 def model_folders(root: Path) -> dict[str, Path]:
@@ -248,11 +248,11 @@ def test_a_sequence_classifier_reranks_as_mlx_vlm_scores_it(server: ServerProces
 
 
 def test_the_readme_example_prints_what_it_says(server: ServerProcess):
-    """README's "Embeddings and rerank" examples, against this server (port 8001 there)."""
+    """docs/embeddings-rerank-audio.md's "Embeddings and rerank" examples, against this server (port 8001 there)."""
     import subprocess
     import sys
 
-    section = README.read_text().split("### Embeddings and rerank", 1)[1].split("\n### ", 1)[0]
+    section = PAGE.read_text().split("## Embeddings and rerank", 1)[1].split("\n## ", 1)[0]
     blocks = []
     for block in re.finditer(r"^```(python|bash)\n(.*?)^```\n", section, re.S | re.M):
         says = re.compile(r"\n*prints `([^`]+)`").match(section, block.end())

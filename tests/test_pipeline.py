@@ -156,10 +156,10 @@ def test_three_ranks_relay_the_step_and_the_hidden_state(tmp_path):
 
 
 def test_the_readme_launch_line_serves_the_demo_model_split(tmp_path):
-    """The README's local launch line, as written but for the port: the demo model on two ranks
+    """docs/scaling-out.md's local launch line, as written but for the port: the demo model on two ranks
     captions the README's picture as one process does."""
-    readme = (ROOT / "README.md").read_text()
-    line = next(ln for ln in readme.splitlines() if ln.startswith("mlx.launch --backend ring -n 2 -- vlmserve serve"))
+    page = (ROOT / "docs" / "scaling-out.md").read_text()
+    line = next(ln for ln in page.splitlines() if ln.startswith("mlx.launch --backend ring -n 2 -- vlmserve serve"))
     port = free_port()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PYTHONUNBUFFERED": "1", "VLMSERVE_NO_OPENBLAS": "1"}
