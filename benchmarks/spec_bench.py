@@ -26,6 +26,11 @@ falls to ~0 where the policy stops drafting.
 
     python benchmarks/spec_bench.py [--model real|demo|DIR] [--method KIND] [--drafter DIR] [--long N]
         [--concurrency 1,4,8] [--rounds 2] [--forced] [--tag NAME]
+    python benchmarks/spec_bench.py --collect --out benchmarks/results/spec_kinds
+
+Each run's file records the machine's load average as it started and ended (a shared machine's ratios
+move with it; acceptance and draft counts do not). ``--collect`` joins every ``spec_bench-*.json`` in
+``--out`` into ``spec_kinds.json`` and the table ``spec_kinds.md``.
 """
 
 from __future__ import annotations
@@ -219,7 +224,11 @@ def main() -> None:
     parser.add_argument("--forced", action="store_true", help='"adaptive": false: draft on every step')
     parser.add_argument("--tag", default=None, help="the results' file name (default: model and drafter)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--collect", action="store_true", help="only join the runs in --out into spec_kinds.md/json")
     args = parser.parse_args()
+    if args.collect:
+        collect(args.out)
+        return
     library = find_openblas()
     if library is not None and not openblas_preloaded() and not os.environ.get("VLMSERVE_NO_OPENBLAS"):
         env = {**os.environ, "LD_PRELOAD": library}  # float32 matmuls ~28x faster (vlmserve/blas.py)
@@ -234,6 +243,7 @@ def main() -> None:
     kind = args.method or ("mtp" if args.drafter else "ngram")
     drafter = resolve_drafter(args.drafter) if args.drafter else None
     method = SpeculativeConfig(method=kind, model=drafter, num_speculative_tokens=args.k, adaptive=not args.forced)
+    load = os.getloadavg()[0]
     off, spec = asyncio.run(_run(args, model, method, levels))
     rows = _rows(off, spec)
     print(f"model {Path(model).name}, dtype {args.dtype}, BLAS: {'OpenBLAS' if openblas_preloaded() else 'reference'}")
@@ -247,9 +257,31 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     name = args.tag or Path(model).name + (f"-{Path(args.drafter).name}" if args.drafter else "")
     meta = {"model": Path(model).name, "method": kind, "drafter": drafter and Path(drafter).name, "k": args.k,
-            "rounds": args.rounds, "max_tokens": args.max_tokens, "dtype": args.dtype, "adaptive": not args.forced}
+            "rounds": args.rounds, "max_tokens": args.max_tokens, "dtype": args.dtype, "adaptive": not args.forced,
+            "load_average": [round(load, 1), round(os.getloadavg()[0], 1)]}
+    print(f"load average (1 min): {meta['load_average'][0]} at the start, {meta['load_average'][1]} at the end")
     (args.out / f"spec_bench-{name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     _plot(rows, args.out / f"spec_bench-{name}.png", f"speculative decoding, {name}")
+
+
+def collect(out: Path) -> None:
+    """Every run's file in ``out`` (``spec_bench-NAME.json``) into ``spec_kinds.json`` (by NAME) and one table,
+    ``spec_kinds.md``: a row per run, workload and concurrency."""
+    runs = {p.stem.removeprefix("spec_bench-"): json.loads(p.read_text()) for p in sorted(out.glob("spec_bench-*.json"))}
+    (out / "spec_kinds.json").write_text(json.dumps(runs, indent=1) + "\n")
+    lines = ["| run | method | adaptive | load | workload | c | tokens | tok/s off | tok/s spec | ratio | acceptance "
+             "| draft tokens | per row step |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, run in runs.items():
+        load = "-".join(str(x) for x in run.get("load_average", [])) or run.get("load_note", "?")
+        for r in sorted(run["rows"], key=lambda r: (r["workload"], r["c"])):
+            acceptance = "-" if r["acceptance"] is None else r["acceptance"]
+            lines.append(f"| {name} | {run['method']} | {'yes' if run.get('adaptive', True) else 'forced'} | {load} | "
+                         f"{r['workload']} | {r['c']} | {r['tokens']} | {r['tok_s_off']} | {r['tok_s_spec']} | "
+                         f"{r['ratio']}x | {acceptance} | {r['drafted']} | {r['per_step']} |")
+    (out / "spec_kinds.md").write_text("# spec kinds (issue 58): every run in this folder (`spec_bench.py --collect`)\n\n"
+                                      "load: the 1-minute load average as the run started and ended (2 shared cores)\n\n"
+                                      + "\n".join(lines) + "\n")
+    print(f"{len(runs)} runs: {out / 'spec_kinds.md'}")
 
 
 if __name__ == "__main__":

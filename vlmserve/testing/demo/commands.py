@@ -9,6 +9,8 @@ from typing import Any
 from vlmserve.config import usage_error
 from vlmserve.testing.demo.evaluate import DEFAULT_EVAL_N
 
+DRAFTER_STEPS = {"mtp": 400, "dflash": 300, "eagle3": 150}  # each kind's default: ~10-15 minutes on 2 shared cores
+
 
 def add_cli(subparsers: Any) -> None:
     """Register ``train-demo`` and ``eval-demo`` on an ``argparse`` subparsers object."""
@@ -19,10 +21,12 @@ def add_cli(subparsers: Any) -> None:
     train.set_defaults(func=_train_command, wants_openblas=True)
 
     drafter = subparsers.add_parser("train-demo-drafter",
-                                    help="train the demo model's drafter for speculative decoding (CPU, ~10 min)")
+                                    help="train a drafter of the demo model for speculative decoding (CPU, ~10 min)")
     drafter.add_argument("--out", type=Path, required=True, help="directory to write the drafter to")
     drafter.add_argument("--model", type=Path, default=None, help="the demo model it drafts for (default: the built-in)")
-    drafter.add_argument("--steps", type=int, default=400, help="training steps")
+    drafter.add_argument("--kind", choices=tuple(DRAFTER_STEPS), default="mtp",
+                         help="mtp: a Gemma 4 assistant; dflash: a DFlash block drafter; eagle3: an EAGLE-3 drafter")
+    drafter.add_argument("--steps", type=int, default=None, help="training steps (default: 400 mtp, 300 dflash, 150 eagle3)")
     drafter.add_argument("--seed", type=int, default=0)
     drafter.set_defaults(func=_train_drafter_command, wants_openblas=True)
 
@@ -46,13 +50,17 @@ def _train_command(args: argparse.Namespace) -> int:
 
 def _train_drafter_command(args: argparse.Namespace) -> int:
     from vlmserve.testing.demo.drafter import train_drafter
+    from vlmserve.testing.demo.drafter_dflash import train_dflash_drafter
+    from vlmserve.testing.demo.drafter_eagle3 import train_eagle3_drafter
 
-    if args.steps < 1:
+    steps = DRAFTER_STEPS[args.kind] if args.steps is None else args.steps
+    if steps < 1:
         return usage_error("--steps must be at least 1")
     target = _model_or_demo(args.model)
     if isinstance(target, str):
         return usage_error(target)
-    info = train_drafter(target, args.out, steps=args.steps, seed=args.seed)
+    trainer = {"mtp": train_drafter, "dflash": train_dflash_drafter, "eagle3": train_eagle3_drafter}[args.kind]
+    info = trainer(target, args.out, steps=steps, seed=args.seed)
     print(f"{args.out}: held-out accuracy per drafted token {info['held_out_accuracy_per_depth']}")
     return 0
 

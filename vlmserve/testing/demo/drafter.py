@@ -17,90 +17,67 @@ first guess is near the target's next-token guess, and training moves it one tok
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
 
-from vlmserve.blas import openblas_preloaded
-from vlmserve.testing.demo.batches import HostBatch, batch_stream, prefetch
+from vlmserve.testing.demo.batches import HostBatch
+from vlmserve.testing.demo.drafter_common import (
+    HELD_OUT,
+    answers,
+    batches,
+    embedded,
+    fit,
+    frozen_target,
+    held_out,
+    parameters,
+    save,
+)
 from vlmserve.testing.gemma4 import assistant_config
-
-DRAFTER_INFO = "training.json"
 
 
 def train_drafter(target: Path, out: Path, steps: int = 400, seed: int = 0, depth: int = 4, batch_size: int = 16,
-                  lr: float = 2e-3) -> dict[str, Any]:
+                  lr: float = 2e-3, scored: int = HELD_OUT) -> dict[str, Any]:
     """Train a drafter for the demo model at ``target`` into ``out`` (config.json, model.safetensors,
-    training.json); returns what training.json records."""
-    from mlx_vlm import load
+    training.json); returns what training.json records (``scored``: held-out batches its accuracy is taken on)."""
     from mlx_vlm.speculative.drafters.gemma4_assistant import Gemma4AssistantDraftModel
     from mlx_vlm.speculative.drafters.gemma4_assistant.config import Gemma4AssistantConfig
 
-    from vlmserve.progress import progress
-
     start = time.perf_counter()
-    model, processor = load(str(target))
-    model.freeze()
-    target_config = json.loads((target / "config.json").read_text())
-    config = assistant_config(target_config, layers=2)
+    model, processor = frozen_target(target)
+    config = assistant_config(json.loads((target / "config.json").read_text()), layers=2)
     mx.random.seed(seed)
     drafter = Gemma4AssistantDraftModel(Gemma4AssistantConfig.from_dict(config))
     embed = model.language_model.model.embed_tokens.weight
     drafter.model.embed_tokens.weight = mx.array(embed.astype(mx.float32))
     drafter.set_dtype(mx.float32)
-    model.set_dtype(mx.float32)
-    optimizer = optim.AdamW(learning_rate=optim.cosine_decay(lr, steps, lr * 0.05), weight_decay=0.0)
-    stream = prefetch(batch_stream(processor, np.random.default_rng([seed, 7]), batch_size))
-    grad = nn.value_and_grad(drafter, _loss)
-    losses: list[float] = []
-    with progress(range(steps), desc="training demo-gemma4-assistant", file=sys.stderr) as bar:
-        for _ in bar:
-            batch = _drafter_batch(model, next(stream), depth)
-            (loss, _), grads = grad(drafter, batch, model.language_model, depth)
-            grads, _ = optim.clip_grad_norm(grads, 1.0)
-            optimizer.update(drafter, grads)
-            mx.eval(loss, drafter.parameters(), optimizer.state)
-            losses.append(float(loss.item()))
-            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
-    accuracy = _held_out(drafter, model, processor, seed, depth)
-    drafter.set_dtype(mx.bfloat16)  # as the demo model is stored
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(drafter.parameters())))
-    info = {"steps": steps, "seed": seed, "depth": depth, "batch_size": batch_size, "lr": lr,
-            "first_loss": round(losses[0], 4), "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
-            "held_out_accuracy_per_depth": accuracy, "train_seconds": round(time.perf_counter() - start, 1),
-            "mlx": mx.__version__, "blas": "OpenBLAS preloaded" if openblas_preloaded() else "the mlx wheel's own BLAS"}
-    (out / DRAFTER_INFO).write_text(json.dumps(info, indent=2) + "\n")
-    return info
+
+    def loss(d: nn.Module, batch: dict[str, Any]) -> tuple[mx.array, mx.array]:
+        return _loss(d, batch, model.language_model, depth)
+
+    def make(host: HostBatch) -> dict[str, Any]:
+        return _drafter_batch(model, host)
+
+    losses = fit(drafter, loss, make, batches(processor, seed, batch_size), steps, lr,
+                 "training demo-gemma4-assistant")
+    accuracy = held_out(loss, drafter, make, batches(processor, seed, batch_size, held_out=True), scored)
+    info = {"kind": "mtp", "steps": steps, "seed": seed, "depth": depth, "batch_size": batch_size, "lr": lr,
+            "held_out_accuracy_per_depth": accuracy}
+    return save(out, config, parameters(drafter), info, losses, start)
 
 
-def _drafter_batch(model: nn.Module, host: HostBatch, depth: int) -> dict[str, Any]:
+def _drafter_batch(model: nn.Module, host: HostBatch) -> dict[str, Any]:
     """The frozen target over one batch: its normalized hidden states, the KV the drafter reads, and
-    each position's next ``depth + 1`` tokens with whether they are answer tokens."""
-    ids = mx.array(host.input_ids)
-    arrays = {k: mx.array(v) for k, v in host.arrays.items()}
-    rows, width = host.input_ids.shape
-    full = np.zeros((rows, width + 1), dtype=np.int32)
-    full[:, :width] = host.input_ids
-    answer = np.zeros((rows, width + 1), dtype=bool)
-    row, state = np.divmod(host.positions, width)
-    full[row, state + 1] = host.targets
-    answer[row, state + 1] = True
+    each position's next tokens with whether they are answer tokens."""
+    ids, keywords = embedded(model, host)
+    full, answer = answers(host)
     shared: dict[str, tuple[mx.array, mx.array]] = {}
-    pixel_values = arrays.pop("pixel_values", None)
-    features = model.get_input_embeddings(ids, pixel_values, mask=mx.ones(ids.shape, dtype=mx.int32), **arrays)
-    extra = {k: v for k, v in features.to_dict().items() if k != "inputs_embeds" and v is not None}
     # the final norm's output: the drafter's input (mlx-vlm's speculative_draft_hidden)
-    hidden = model.language_model.model(ids, inputs_embeds=features.inputs_embeds, shared_kv_sink=shared,
-                                        **arrays, **extra)
+    hidden = model.language_model.model(ids, shared_kv_sink=shared, **keywords)
     mx.eval(hidden, shared)
     return {"hidden": mx.stop_gradient(hidden), "shared": {k: (mx.stop_gradient(a), mx.stop_gradient(b))
                                                             for k, (a, b) in shared.items()},
@@ -153,15 +130,3 @@ def _draft_forward(drafter: Any, inputs: mx.array, shared: dict[str, tuple[mx.ar
                         shared_kv=shared[layer.layer_type], offset=mx.array(0))
     h = drafter.model.norm(h)
     return drafter.post_projection(h), h
-
-
-def _held_out(drafter: nn.Module, model: nn.Module, processor: Any, seed: int, depth: int) -> list[float]:
-    """Each drafted token's accuracy on answer positions of 8 held-out batches (teacher-forced: given
-    the tokens before it were right)."""
-    stream = batch_stream(processor, np.random.default_rng([seed + 1000, 7]), 16)
-    totals = np.zeros(depth)
-    for _ in range(8):
-        batch = _drafter_batch(model, next(stream), depth)
-        _, accuracy = _loss(drafter, batch, model.language_model, depth)
-        totals += np.array(accuracy.tolist())
-    return [round(float(a) / 8, 4) for a in totals]
