@@ -125,8 +125,9 @@ async def engine_run(path: str, ids: list[int], chunk: int, new: int, quant: tup
                      ) -> tuple[Run, dict[str, Any]]:
     """The passage through vlmserve's engine with ``prompt_logprobs``; returns its run and how it was served."""
     from vlmserve.engine.engine_config import EngineConfig
-    from vlmserve.engine.params import PromptInputs, SamplingParams
+    from vlmserve.engine.params import SamplingParams
     from vlmserve.frontend.async_engine import AsyncEngine
+    from vlmserve.inputs import PromptInputs
 
     bits, group = quant or (None, 64)
     config = EngineConfig(kv_bits=bits, kv_group_size=group, prefill_chunk=chunk, dtype="float32",

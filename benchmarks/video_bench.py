@@ -70,8 +70,9 @@ def bench_model(arch: str, root: Path) -> Path:
 
 async def bench_arch(arch: str, model: Path, clips: list[Path], frames: int, dtype: str) -> dict[str, Any]:
     from vlmserve.engine.engine_config import EngineConfig
-    from vlmserve.engine.params import PromptInputs, SamplingParams
+    from vlmserve.engine.params import SamplingParams
     from vlmserve.frontend.async_engine import AsyncEngine
+    from vlmserve.inputs import PromptInputs
     from vlmserve.preprocess.video import VideoSampling, decode_video
 
     engine = AsyncEngine(str(model), config=EngineConfig(dtype=dtype))

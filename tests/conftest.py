@@ -140,7 +140,7 @@ def demo_reference() -> Any:
     from mlx_vlm import load
 
     from vlmserve.config import DEMO_MODEL_DIR
-    from vlmserve.engine.params import PromptInputs
+    from vlmserve.inputs import PromptInputs
     from vlmserve.testing.reference import reference_prompt_logprobs
 
     model, _ = load(str(DEMO_MODEL_DIR))

@@ -23,8 +23,9 @@ from conftest import gather, running_engine, scene
 from server_utils import ServerProcess, image_data_url, start_server
 
 from vlmserve.engine.engine_config import EngineConfig
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.frontend.async_engine import AsyncEngine
+from vlmserve.inputs import PromptInputs
 from vlmserve.preprocess.prompt import render_chat
 from vlmserve.preprocess.video import VideoError, VideoSampling, decode_video
 from vlmserve.testing import build_model

@@ -157,11 +157,14 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_circles() -> None:
+def _package_graph() -> dict[str, set[str]]:
     paths = [*_modules(), *PACKAGE.rglob("__main__.py")]
     modules = {_module_name(p) for p in paths}
-    graph = {_module_name(p): _imports(p, modules) for p in paths}
-    assert _cycles(graph) == []
+    return {_module_name(p): _imports(p, modules) for p in paths}
+
+
+def test_no_import_circles() -> None:
+    assert _cycles(_package_graph()) == []
 
 
 def test_the_circle_check_finds_a_circle() -> None:
@@ -209,3 +212,19 @@ class Deeper(runner.LeaderRunner):
     def _own(self): pass
 """
     assert _private_overrides([old]) == ["Deeper._guarded", "LeaderRunner._share"]
+
+
+# Phase 1 hands the engine plain contracts (vlmserve/inputs.py) and never imports it: the arrow runs one way.
+CONTRACTS = "vlmserve.inputs"
+
+
+def test_preprocess_never_imports_the_engine() -> None:
+    graph = _package_graph()
+    upward = {m: sorted(i for i in graph[m] if i.startswith("vlmserve.engine")) for m in graph
+              if m.startswith("vlmserve.preprocess")}
+    assert {m: i for m, i in upward.items() if i} == {}
+
+
+def test_the_contracts_import_nothing_of_the_package() -> None:
+    """Below both phases: the contract module imports no module of the package, and (through it) no MLX."""
+    assert _package_graph()[CONTRACTS] == set()

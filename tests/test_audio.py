@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from conftest import scene
 
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
+from vlmserve.inputs import PromptInputs
 from vlmserve.preprocess.audio import AudioError, AudioLimits, decode_audio
 from vlmserve.testing import build_model
 from vlmserve.testing.reference import reference_greedy

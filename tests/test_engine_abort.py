@@ -7,7 +7,8 @@ import threading
 
 from conftest import collect, running_engine
 
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
+from vlmserve.inputs import PromptInputs
 
 LONG = SamplingParams(max_tokens=500, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=4, ignore_eos=True)

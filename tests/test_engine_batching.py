@@ -7,7 +7,8 @@ import threading
 
 from conftest import Result, collect, running_engine, scene
 
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
+from vlmserve.inputs import PromptInputs
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 LONG_TEXT = " ".join(f"word{i}" for i in range(60))

@@ -17,10 +17,11 @@ import pytest
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.memory import KVFootprint
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.plan import RunnerOutput, Sample, SchedulerOutput
 from vlmserve.engine.request import AbortRequest, AddRequest, StepOutput, StepOutputs
 from vlmserve.engine.worker import MLXWorkerThread
+from vlmserve.inputs import PromptInputs
 
 EOS = 2
 

@@ -11,8 +11,9 @@ import pytest
 from conftest import collect, running_engine, scene
 
 from vlmserve.engine.loader import ModelLoadError
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.frontend.async_engine import AsyncEngine, EngineNotReadyError
+from vlmserve.inputs import PromptInputs
 
 LONG = SamplingParams(max_tokens=500, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=6, ignore_eos=True)

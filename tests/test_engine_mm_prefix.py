@@ -98,8 +98,8 @@ def test_families_where_reuse_is_not_proven_exact_keep_the_default(arch):
 
 def test_an_image_prompt_longer_than_the_sliding_window_is_not_reused():
     from vlmserve.engine.caches import EngineCaches
-    from vlmserve.engine.params import ImageItem, PromptInputs
     from vlmserve.engine.prefix_cache import PrefixCache
+    from vlmserve.inputs import ImageItem, PromptInputs
 
     def prompt(n: int) -> PromptInputs:
         return PromptInputs([1, 7, 7, 7, *range(10, 10 + n)], {"pixel_values": np.zeros((1, 3))}, 1,
@@ -426,7 +426,8 @@ def _key_before(prompt, media_ids):
 def test_only_smolvlm_pairs_several_runs_with_one_image_and_every_other_key_is_unchanged():
     from vlmserve.engine.models import _ADAPTERS
     from vlmserve.engine.models.base import ModelAdapter
-    from vlmserve.engine.params import ImageItem, PromptInputs, prefix_key
+    from vlmserve.engine.params import prefix_key
+    from vlmserve.inputs import ImageItem, PromptInputs
 
     marking = [a for a in _ADAPTERS if a.last_run_marks is not ModelAdapter.last_run_marks]
     assert [a.model_types for a in marking] == [("smolvlm",)]  # every other family passes no marks

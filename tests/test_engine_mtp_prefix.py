@@ -13,8 +13,9 @@ import pytest
 from test_engine_spec_batch import GREEDY, TEXT, WHOLE, _check, _dflash, _mtp, _recording, _result, _turn_two
 from test_families import Family, _start, _stop
 
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.speculative import SpeculativeConfig
+from vlmserve.inputs import PromptInputs
 from vlmserve.testing import build_model
 
 ASKED = SamplingParams(max_tokens=24, ignore_eos=True)  # long enough for a passage repeated to be drafted

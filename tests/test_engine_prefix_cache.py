@@ -89,8 +89,8 @@ def test_a_reserved_prefix_is_whole_even_when_the_store_evicts_it_before_the_run
     from mlx_lm.models.cache import KVCache
 
     from vlmserve.engine.caches import EngineCaches
-    from vlmserve.engine.params import PromptInputs
     from vlmserve.engine.prefix_cache import PrefixCache
+    from vlmserve.inputs import PromptInputs
 
     layer = KVCache()
     keys = mx.arange(1 * 2 * 10 * 4, dtype=mx.float32).reshape(1, 2, 10, 4)
@@ -117,8 +117,9 @@ def test_an_image_prompt_looks_up_the_text_before_its_first_image_in_the_text_st
     from mlx_lm.models.cache import KVCache
 
     from vlmserve.engine.caches import EngineCaches
-    from vlmserve.engine.params import ImageItem, PromptInputs, prefix_key
+    from vlmserve.engine.params import prefix_key
     from vlmserve.engine.prefix_cache import PrefixCache
+    from vlmserve.inputs import ImageItem, PromptInputs
 
     def kv(n: int) -> list[KVCache]:
         layer = KVCache()

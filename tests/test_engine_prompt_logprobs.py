@@ -9,7 +9,8 @@ import asyncio
 import pytest
 from conftest import running_engine
 
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
+from vlmserve.inputs import PromptInputs
 from vlmserve.testing import build_model
 from vlmserve.testing.reference import reference_prompt_logprobs
 

@@ -7,10 +7,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from vlmserve.engine.params import ImageItem, PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.plan import PrefillChunk, RunnerOutput, Sample, SchedulerOutput
 from vlmserve.engine.request import Request, RequestStatus
 from vlmserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from vlmserve.inputs import ImageItem, PromptInputs
 
 
 def _req(rid: str, prompt_len: int = 10, max_tokens: int = 5, eos: frozenset[int] = frozenset({2}),

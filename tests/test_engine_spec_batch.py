@@ -33,9 +33,10 @@ import pytest
 from conftest import Result, gather, scene
 from test_families import Family, _start, _stop
 
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.plan import SchedulerOutput
 from vlmserve.engine.speculative import SpeculativeConfig
+from vlmserve.inputs import PromptInputs
 from vlmserve.testing import build_model
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)

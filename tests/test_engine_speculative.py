@@ -19,7 +19,7 @@ import pytest
 from conftest import gather, scene
 from test_families import Family, _start, _stop
 
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.plan import RunnerOutput, Sample
 from vlmserve.engine.request import Request
 from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -31,6 +31,7 @@ from vlmserve.engine.speculative import (
     follow_prediction,
     lookup,
 )
+from vlmserve.inputs import PromptInputs
 from vlmserve.testing import FAMILY_BUILDS, build_family, build_model
 
 NGRAM = SpeculativeConfig(prompt_lookup_min=1, adaptive=False)  # a draft wherever any token repeats

@@ -23,10 +23,11 @@ from PIL import Image, ImageDraw
 
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.models import adapter_class
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.plan import EncodeChunk, NewRequest, SchedulerOutput
 from vlmserve.engine.vision_cache import VisionCache
 from vlmserve.frontend.async_engine import AsyncEngine
+from vlmserve.inputs import PromptInputs
 from vlmserve.preprocess.images import decode_image
 from vlmserve.preprocess.prompt import PromptBuilder, PromptError
 from vlmserve.testing import ARCHS, FAMILY_BUILDS, build_family, build_model

@@ -29,12 +29,13 @@ from server_utils import PipelineProcess, free_port, image_data_url, start_pipel
 from vlmserve.engine.caches import EngineCaches
 from vlmserve.engine.loader import load_model
 from vlmserve.engine.models import Embedded
-from vlmserve.engine.params import ImageItem, PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.pipeline import PipelineError, Stage, split_layers
 from vlmserve.engine.pipeline_runner import STOP, Follower, Leader, Link, StepMessage, Watch, for_followers
 from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, SchedulerOutput
 from vlmserve.engine.runner import ModelRunner
 from vlmserve.engine.worker import MLXWorkerThread
+from vlmserve.inputs import ImageItem, PromptInputs
 from vlmserve.preprocess.prompt import PromptBuilder
 from vlmserve.testing import build_family, build_model
 from vlmserve.testing.build import ARCHS

@@ -29,9 +29,9 @@ from vlmserve.api.openai_format import ChoiceBuilder, choices_usage
 from vlmserve.api.schemas import ChatCompletionRequest
 from vlmserve.api.state import ServedModel, ServerState
 from vlmserve.api.timing import Timing
-from vlmserve.engine.params import PromptInputs
 from vlmserve.frontend.async_engine import ImagePrompt, PromptFactory
 from vlmserve.frontend.output import RequestOutput
+from vlmserve.inputs import PromptInputs
 from vlmserve.preprocess.guided import GuideError
 from vlmserve.preprocess.media import MediaPolicy, load_audio_source, load_image_source, load_video_source
 from vlmserve.preprocess.prompt import PromptBuilder

@@ -49,9 +49,10 @@ from vlmserve.api.openai_format import PREDICTION_USAGE
 from vlmserve.api.schemas import SamplingFields
 from vlmserve.api.state import ServedModel, ServerState
 from vlmserve.api.timing import Timing
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.frontend.output import RequestOutput
 from vlmserve.frontend.token_bytes import token_text_and_bytes
+from vlmserve.inputs import PromptInputs
 from vlmserve.preprocess.prompt import PromptBuilder
 
 MAX_PROMPTS = 256  # prompts in one request

@@ -20,7 +20,7 @@ from fastapi import Request
 
 from vlmserve.api.errors import APIError, bad_request, retry_after
 from vlmserve.api.schemas import SamplingFields
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.frontend.async_engine import (
     AsyncEngine,
     EngineNotReadyError,
@@ -31,6 +31,7 @@ from vlmserve.frontend.async_engine import (
     PromptTooLongError,
 )
 from vlmserve.frontend.output import RequestOutput
+from vlmserve.inputs import PromptInputs
 from vlmserve.preprocess.images import ImageError
 from vlmserve.preprocess.prompt import PromptError
 from vlmserve.preprocess.video import VideoError

@@ -28,9 +28,10 @@ from typing import Any
 
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.models import ModelAdapter
-from vlmserve.engine.params import PromptInputs, pixel_count, prefix_key, text_key
+from vlmserve.engine.params import pixel_count, prefix_key, text_key
 from vlmserve.engine.prefix_cache import PrefixCache, PrefixCacheStats, Reuse
 from vlmserve.engine.vision_cache import VisionCache, VisionCacheStats
+from vlmserve.inputs import PromptInputs
 
 
 @dataclass(slots=True, frozen=True)

@@ -22,7 +22,7 @@ from vlmserve.engine.memory import KVBudget, measure_footprint
 from vlmserve.engine.models import ModelAdapter
 from vlmserve.engine.mtp import MtpDrafter
 from vlmserve.engine.mtp_prefix import DraftPrefix
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.plan import RunnerOutput, SchedulerOutput
 from vlmserve.engine.prefix_cache import PrefixCache
 from vlmserve.engine.request import (
@@ -39,6 +39,7 @@ from vlmserve.engine.runner import ModelRunner
 from vlmserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 from vlmserve.engine.vision_cache import VisionCache
 from vlmserve.engine.worker import MLXWorkerThread
+from vlmserve.inputs import PromptInputs
 
 log = logging.getLogger(__name__)
 _EARLY_ABORTS = 4096  # aborts that overtook their request; bounded so a leak cannot grow

@@ -17,8 +17,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, SchedulerOutput
+from vlmserve.inputs import PromptInputs
 
 FLOOR_TOKENS = 16  # prompt tokens per step while requests decode, at least: every prompt moves on
 OBSERVED_TOKENS = 8  # a step's prompt work measures a prompt token's cost from this many tokens on

@@ -6,10 +6,11 @@ from collections.abc import Iterator
 
 from vlmserve.engine.core import new_request, scheduler_config
 from vlmserve.engine.engine_config import EngineConfig
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.plan import SchedulerOutput
 from vlmserve.engine.runner import ModelRunner
 from vlmserve.engine.scheduler import Scheduler
+from vlmserve.inputs import PromptInputs
 
 
 def generate_tokens(runner: ModelRunner, prompt: PromptInputs, params: SamplingParams,

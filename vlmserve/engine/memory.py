@@ -23,8 +23,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, SchedulerOutput
+from vlmserve.inputs import PromptInputs
 from vlmserve.preprocess.decode_budget import give_memory_back
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
+from vlmserve.inputs import PromptInputs
 
 
 @dataclass(slots=True, frozen=True)

@@ -11,8 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.speculative import Acceptance
+from vlmserve.inputs import PromptInputs
 
 if TYPE_CHECKING:  # no MLX here: the prefix cache module imports mlx-lm
     from vlmserve.engine.disk_store import DiskStoreStats

@@ -38,7 +38,7 @@ from vlmserve.engine.models import Embedded
 from vlmserve.engine.models.base import tapped
 from vlmserve.engine.mtp import DraftRows, MtpDrafter
 from vlmserve.engine.mtp_prefix import DraftPrefix
-from vlmserve.engine.params import HostArray, ImageItem, PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.plan import (
     EncodeChunk,
     NewRequest,
@@ -50,6 +50,7 @@ from vlmserve.engine.plan import (
 )
 from vlmserve.engine.sampler import RowState, sample
 from vlmserve.engine.verify import StepDrafts, read_drafts, verify
+from vlmserve.inputs import HostArray, ImageItem, PromptInputs
 
 log = logging.getLogger(__name__)
 

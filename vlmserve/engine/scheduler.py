@@ -31,10 +31,11 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from vlmserve.engine.memory import KVBudget
-from vlmserve.engine.params import PromptInputs, pixel_count
+from vlmserve.engine.params import pixel_count
 from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, RunnerOutput, Sample, SchedulerOutput
 from vlmserve.engine.request import Request, RequestStatus
 from vlmserve.engine.speculative import DraftPolicy, SpeculativeConfig, follow_prediction, lookup
+from vlmserve.inputs import PromptInputs
 
 SCORED_CHUNK = 128  # prompt tokens a step for a prompt whose logprobs are asked: its logits are [n, vocab]
 # The join gate: a held row waits at most this many times its own time to first token

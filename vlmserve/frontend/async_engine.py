@@ -26,13 +26,14 @@ from vlmserve.engine.core import EngineCore
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.memory import KVBudget
-from vlmserve.engine.params import Guide, PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.pooling import PoolingRunner, kind_of, load_pooling
 from vlmserve.engine.request import AbortRequest, AddRequest, EngineMetrics, StepOutput, StepOutputs
 from vlmserve.engine.worker import MLXWorkerThread
 from vlmserve.frontend import self_check
 from vlmserve.frontend.output import OutputProcessor, RequestOutput
 from vlmserve.frontend.pooling import Pooler
+from vlmserve.inputs import Guide, PromptInputs
 from vlmserve.preprocess.guided import GuideCompiler, GuideSpec
 from vlmserve.preprocess.prompt import PromptBuilder, PromptError
 

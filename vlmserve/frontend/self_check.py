@@ -23,9 +23,10 @@ from PIL import Image, ImageDraw
 
 from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.oracle import first_departure, mlx_vlm_prompt
-from vlmserve.engine.params import PromptInputs, SamplingParams
+from vlmserve.engine.params import SamplingParams
 from vlmserve.engine.worker import MLXWorkerThread
 from vlmserve.frontend.output import RequestOutput
+from vlmserve.inputs import PromptInputs
 from vlmserve.preprocess.prompt import PromptBuilder
 
 PROBE_TOKENS = 8

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from vlmserve.engine.params import Guide
+from vlmserve.inputs import Guide
 from vlmserve.preprocess.json_schema import tidy_json
 from vlmserve.preprocess.tool_grammar import marker, tool_call_lark
 

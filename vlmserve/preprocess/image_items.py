@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlmserve.engine.params import HostArray, ImageItem
+from vlmserve.inputs import HostArray, ImageItem
 
 _IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids", "image_sizes", "image_grid_hws")
 _GRIDS = ("image_grid_hws",)  # patch grids besides the kinds' own ``*_grid_thw``

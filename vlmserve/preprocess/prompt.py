@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlmserve.engine.params import AUDIO_KEYS, HostArray, ImageItem, PromptInputs
+from vlmserve.inputs import AUDIO_KEYS, HostArray, ImageItem, PromptInputs
 from vlmserve.preprocess.control import ControlTokens
 from vlmserve.preprocess.image_items import image_items, picture_hash
 from vlmserve.preprocess.image_sizes import ProcessorLimit

@@ -15,8 +15,8 @@ import mlx.core as mx
 
 from vlmserve.engine.loader import LoadedModel
 from vlmserve.engine.oracle import greedy, mlx_vlm_inputs
-from vlmserve.engine.params import PromptInputs
 from vlmserve.engine.runner import on_device
+from vlmserve.inputs import PromptInputs
 
 
 def reference_greedy(model: Any, prompt: PromptInputs, max_tokens: int, **kv: Any) -> list[int]:

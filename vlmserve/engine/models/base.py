@@ -29,7 +29,7 @@ from mlx_vlm.speculative.cache_state import commit_speculative_round
 from mlx_vlm.speculative.common import verify_forward
 
 from vlmserve.engine.kv_quant import KVQuant
-from vlmserve.engine.params import AUDIO_KEYS, ImageItem, PromptInputs
+from vlmserve.inputs import AUDIO_KEYS, ImageItem, PromptInputs
 from vlmserve.preprocess.image_sizes import ProcessorLimit, limit_of, sized_limit
 
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")  # what the vision tower reads; never language-model keywords

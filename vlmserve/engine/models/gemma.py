@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_vlm.models.base import create_attention_mask
 
 from vlmserve.engine.models.base import ModelAdapter
-from vlmserve.engine.params import ImageItem, PromptInputs
+from vlmserve.inputs import ImageItem, PromptInputs
 from vlmserve.preprocess.image_sizes import ProcessorLimit, gemma4_limit, limit_of
 
 

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from vlmserve.engine.models.base import ModelAdapter
-from vlmserve.engine.params import PromptInputs
+from vlmserve.inputs import PromptInputs
 
 
 class MRoPEAdapter(ModelAdapter):

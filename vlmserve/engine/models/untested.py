@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from vlmserve.engine.models.base import ModelAdapter
-from vlmserve.engine.params import PromptInputs
+from vlmserve.inputs import PromptInputs
 from vlmserve.preprocess.image_sizes import ProcessorLimit
 
 # What start-up says is off for an untested family, and why (the README's table says the same).
