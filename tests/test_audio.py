@@ -11,6 +11,7 @@ import io
 import wave
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,14 +40,14 @@ def tone(hz: float, seconds: float, rate: int = 16_000, channels: int = 1) -> by
 
 
 class Audio:
-    def __init__(self) -> None:
+    def __init__(self, **config: Any) -> None:
         from vlmserve.engine.engine_config import EngineConfig
         from vlmserve.frontend.async_engine import AsyncEngine
 
         self.loop = asyncio.new_event_loop()
         path = build_model("gemma4", "micro", variant="audio")
-        self.engine = AsyncEngine(str(path), config=EngineConfig(max_batch_size=8, prefill_chunk=16,
-                                                                     mm_prefix_cache=True))
+        config = {"max_batch_size": 8, "prefill_chunk": 16, "mm_prefix_cache": True, **config}
+        self.engine = AsyncEngine(str(path), config=EngineConfig(**config))
         self.loop.run_until_complete(self.engine.start())
 
     def prompt(self, text: str, clips: list[bytes] = (), images: list[object] = ()) -> PromptInputs:
@@ -63,7 +64,30 @@ class Audio:
         return out
 
     def reference(self, prompt: PromptInputs) -> list[int]:
-        return self.engine.worker.call(reference_greedy, self.engine.loaded.model, prompt, GREEDY.max_tokens)
+        """mlx-vlm's greedy decode; for several clips, with each clip's valid frames in its own place."""
+        return self.engine.worker.call(placed_reference, self.engine.loaded.model, prompt, GREEDY.max_tokens)
+
+
+def placed_reference(model: Any, prompt: PromptInputs, max_tokens: int) -> list[int]:
+    """``reference_greedy``; where the prompt has several clips, mlx-vlm's audio tower hands its scatter each
+    clip's valid frames only, as transformers' Gemma 4 does. mlx-vlm 0.7.10 scatters the padded batch's frames
+    in a row: a shorter first clip's padding frames took the next clip's first audio tokens."""
+    if len(prompt.clips) < 2:
+        return reference_greedy(model, prompt, max_tokens)
+    tower = model.audio_tower
+
+    def valid_frames(features: Any, invalid: Any) -> tuple[Any, Any]:
+        import mlx.core as mx
+
+        encoded, out_invalid = tower(features, invalid)
+        rows = [encoded[i:i + 1, :int((~out_invalid[i]).sum().item())] for i in range(encoded.shape[0])]
+        return mx.concatenate(rows, axis=1), out_invalid
+
+    object.__setattr__(model, "audio_tower", valid_frames)
+    try:
+        return reference_greedy(model, prompt, max_tokens)
+    finally:
+        object.__delattr__(model, "audio_tower")
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +140,57 @@ def test_a_prompt_with_audio_never_reuses_kv_of_other_audio(audio: Audio) -> Non
     assert first.input_ids == second.input_ids
     audio.loop.run_until_complete(audio.tokens("c1", first))
     assert audio.loop.run_until_complete(audio.tokens("c2", second)) == audio.reference(second)
+
+
+def test_a_clip_heard_again_skips_the_audio_tower(audio: Audio) -> None:
+    """The audio tower's output is kept in the vision cache by the clip's samples: another request with the same
+    clip (other text, beside an image) takes it from there, and answers as mlx-vlm's greedy decode."""
+    clip, green = tone(523, 1.1), scene("square", (12, 200, 90))  # neither shown by another test
+    first, again = audio.prompt("what is it?", [clip]), audio.prompt("and now?", [clip], [green])
+    assert first.clips[0].key == again.clips[0].key != audio.prompt("x", [tone(524, 1.1)]).clips[0].key
+    before = audio.loop.run_until_complete(audio.engine.stats()).vision
+    outs = [audio.loop.run_until_complete(audio.tokens(f"h{i}", p)) for i, p in enumerate((first, first, again))]
+    after = audio.loop.run_until_complete(audio.engine.stats()).vision
+    assert before is not None and after is not None
+    assert outs == [outs[0], *(audio.reference(p) for p in (first, again))]
+    assert (after.misses - before.misses, after.hits - before.hits) == (2, 2)  # the clip, the picture; the clip twice
+    assert after.bytes > before.bytes
+
+
+def test_a_clip_over_the_cache_budget_is_not_kept_and_answers_the_same(audio: Audio) -> None:
+    """Clips share the images' byte budget: features larger than all of it are not kept, and nothing else is lost."""
+    small = Audio(vision_cache_bytes=1024)
+    try:
+        prompt = small.prompt("what is it?", [tone(523, 1.1)])
+        outs = [small.loop.run_until_complete(small.tokens(f"b{i}", prompt)) for i in range(2)]
+        stats = small.loop.run_until_complete(small.engine.stats()).vision
+    finally:
+        small.loop.run_until_complete(small.engine.shutdown())
+        small.loop.close()
+    assert outs == [audio.reference(prompt)] * 2
+    assert stats is not None and (stats.misses, stats.hits, stats.entries, stats.bytes) == (2, 0, 0, 0)
+
+
+def test_two_clips_each_take_their_own_places(audio: Audio) -> None:
+    """Each clip's valid frames at its own tokens. mlx-vlm 0.7.10 scatters the padded batch's frames in a row: right
+    where the longer clip comes first, but a shorter first clip's padding takes the next clip's places."""
+    low, high = tone(220, 1.0), tone(1800, 2.2)
+    longer_first, shorter_first = audio.prompt("two", [high, low]), audio.prompt("two", [low, high])
+
+    def same(prompt: PromptInputs) -> bool:  # on the worker, whose stream the arrays are on
+        import mlx.core as mx
+
+        from vlmserve.engine.runner import on_device
+
+        adapter, model = audio.engine.loaded.adapter, audio.engine.loaded.model
+        ids = mx.array(prompt.input_ids)[None]
+        clips = mx.concatenate([adapter.encode_clip(on_device(c.arrays)) for c in prompt.clips], axis=1)
+        ours = adapter.embed(ids, on_device(prompt.arrays), {"cached_audio_features": clips}).inputs_embeds
+        theirs = model.get_input_embeddings(ids, None, **on_device(prompt.arrays)).inputs_embeds
+        return bool(mx.array_equal(ours, theirs).item())
+
+    assert audio.engine.worker.call(same, longer_first)
+    assert not audio.engine.worker.call(same, shorter_first)
 
 
 def test_clips_past_the_limits_are_refused() -> None:

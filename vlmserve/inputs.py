@@ -49,6 +49,9 @@ class PromptInputs:
     # generation prompt's part the next turn renders otherwise), where a cache that cannot be cut back
     # (recurrent state) keeps its prefix. None: not known, or not asked.
     stem: int | None = None
+    # One item per audio clip, in prompt order: its own mel features (its valid frames only) keyed by its decoded
+    # samples' hash, so that the audio tower's output is cached by content beside images' (engine/vision_cache.py)
+    clips: tuple[ImageItem, ...] = ()
 
     @property
     def has_images(self) -> bool:

@@ -19,7 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 
 from vlmserve import __version__
-from vlmserve.api import ollama, ollama_input, probes
+from vlmserve.api import ollama, ollama_embed, ollama_input, probes
 from vlmserve.api.anthropic import count_tokens, create_message
 from vlmserve.api.anthropic_input import CountTokensRequest, MessagesRequest
 from vlmserve.api.chat import create_chat_completion
@@ -237,6 +237,14 @@ def _ollama_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/api/generate")
     async def ollama_generate(body: ollama_input.GenerateRequest, request: Request) -> Any:
         return await ollama.generate(body, request, state)
+
+    @app.post("/api/embed")
+    async def ollama_embed_route(body: ollama_embed.EmbedRequest) -> dict[str, Any]:
+        return await ollama_embed.embed(body, state)
+
+    @app.post("/api/embeddings")
+    async def ollama_embeddings(body: ollama_embed.EmbeddingsRequest) -> dict[str, Any]:
+        return await ollama_embed.embeddings(body, state)
 
     @app.get("/api/tags")
     async def ollama_tags() -> dict[str, Any]:

@@ -46,11 +46,11 @@ async def create_embeddings(body: EmbeddingsRequest, state: ServerState) -> dict
         raise APIError(400, f"input has {images} images; at most {state.media.max_images} per request (--max-images)",
                        param="input")
     async with state.using(body.model, "embed") as served:
-        pooler = _pooler(served.engine)
+        pooler = pooler_of(served.engine)
         if body.dimensions is not None:
-            _check_dimensions(pooler, body.dimensions)
+            check_dimensions(pooler, body.dimensions)
         inputs = [await _decoded(item, i, state) for i, item in enumerate(items)]
-        pooled = await _pooled(pooler.embed(inputs))
+        pooled = await await_pooled(pooler.embed(inputs))
     vectors = pooled.vectors if body.dimensions is None else [truncate(v, body.dimensions) for v in pooled.vectors]
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
             for i, v in enumerate(vectors)]
@@ -67,7 +67,7 @@ async def rerank(body: RerankRequest, state: ServerState) -> dict[str, Any]:
     if instruction == "":
         raise APIError(400, "instruction must not be empty", param="instruction")
     async with state.using(body.model, "score") as served:
-        pooled = await _pooled(_pooler(served.engine).score(query, documents, instruction))
+        pooled = await await_pooled(pooler_of(served.engine).score(query, documents, instruction))
     scores = [v[0] for v in pooled.vectors]
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: body.top_n]
     results = [{"index": i, "relevance_score": scores[i], **({"document": body.documents[i]}
@@ -76,12 +76,14 @@ async def rerank(body: RerankRequest, state: ServerState) -> dict[str, Any]:
             "usage": {"prompt_tokens": pooled.tokens, "total_tokens": pooled.tokens}}
 
 
-def _pooler(engine: AsyncEngine) -> Pooler:
+def pooler_of(engine: AsyncEngine) -> Pooler:
+    """A served embed or score model's pooler (its requests' way to the worker)."""
     assert engine.pooler is not None, "a ready embed or score model has its pooler"
     return engine.pooler
 
 
-async def _pooled(work: Any) -> Pooled:
+async def await_pooled(work: Any) -> Pooled:
+    """The pooler's result, its refusals as 400s and its stopping as a 503 (also Ollama's ``/api/embed``)."""
     try:
         result: Pooled = await work
     except PoolingInputError as exc:
@@ -136,7 +138,7 @@ async def _decoded(item: Any, i: int, state: ServerState) -> EmbedInput:
     return EmbedInput(image=image)
 
 
-def _check_dimensions(pooler: Pooler, dimensions: int) -> None:
+def check_dimensions(pooler: Pooler, dimensions: int) -> None:
     facts = pooler.facts
     if not facts.matryoshka:
         raise APIError(400, f"model {pooler.name!r} ({facts.model_type}) does not take dimensions: it was not "

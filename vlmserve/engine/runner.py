@@ -207,9 +207,7 @@ class ModelRunner:
         rows = [self.prompts[r] for r in request_ids]
         arrays = [on_device(r.prompt.arrays) for r in rows]
         if len(rows) == 1:
-            prompt = rows[0].prompt
-            features = self._image_features(prompt.images) if self._caches(prompt) else None
-            embedded = [self.adapter.embed(rows[0].input_ids, arrays[0], features)]
+            embedded = [self.adapter.embed(rows[0].input_ids, arrays[0], self._features(rows[0].prompt))]
         else:
             embedded = self.adapter.embed_rows([r.input_ids for r in rows], arrays)
         mx.eval([e.inputs_embeds for e in embedded])
@@ -250,19 +248,30 @@ class ModelRunner:
     def _caches(self, prompt: PromptInputs) -> bool:
         return self.caches.vision is not None and prompt.encodes_per_image
 
+    def _features(self, prompt: PromptInputs) -> dict[str, mx.array] | None:
+        """The towers' outputs ``embed`` takes instead of running them: each image's and each clip's, computed
+        alone (cached by content where the vision cache is on); None where the prompt's arrays go whole."""
+        features = self._image_features(prompt.images) if self._caches(prompt) else {}
+        if prompt.clips and self.adapter.encodes_clips:  # clip by clip even uncached: each in its own place
+            encoded = [self._cached(item, self.adapter.encode_clip) for item in prompt.clips]
+            features["cached_audio_features"] = mx.concatenate(encoded, axis=1)
+        return features or None
+
     def _image_features(self, images: tuple[ImageItem, ...]) -> dict[str, mx.array]:
         """Each image's features from the vision cache, or from the tower (alone) and then cached."""
-        vision = self.caches.vision
-        assert vision is not None
-        features = []
-        for item in images:
-            cached = vision.get(item.key)
-            if cached is None:
-                cached = self.adapter.encode_image(on_device(item.arrays))
-                mx.eval(cached)
-                vision.put(item.key, cached)
-            features.append(cached)
+        assert self.caches.vision is not None
+        features = [self._cached(item, self.adapter.encode_image) for item in images]
         return self.adapter.join_features(images, features)
+
+    def _cached(self, item: ImageItem, encode: Callable[[dict[str, mx.array]], mx.array]) -> mx.array:
+        vision = self.caches.vision
+        cached = vision.get(item.key) if vision is not None else None
+        if cached is None:
+            cached = encode(on_device(item.arrays))
+            mx.eval(cached)
+            if vision is not None:
+                vision.put(item.key, cached)
+        return cached
 
     # -- prefill --------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ A chat about one picture sends it again on every turn. The prefix cache cannot h
 with one image must never serve another, so image prompts skip it), but the vision tower's output
 depends on the image alone. Keys are phase 1's hashes of each image's processed pixel arrays
 (preprocess/image_items.py); values are ``mx.array`` features in the language model's space,
-bounded in bytes, least recently used first out.
+bounded in bytes, least recently used first out. An audio clip's tower output is kept here too, in
+the same budget and counters, keyed ``audio:`` and its decoded samples' hash (preprocess/audio.py).
 """
 
 from __future__ import annotations

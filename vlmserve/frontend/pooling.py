@@ -45,6 +45,7 @@ class EmbedInput:
     text: str | None = None
     ids: tuple[int, ...] | None = None
     image: Any = None
+    truncate: bool = False  # cut to the model's most tokens rather than refused (Ollama's ``truncate``)
 
 
 @dataclass(slots=True, frozen=True)
@@ -125,6 +126,7 @@ class Pooler:
                 raise PoolingInputError(f"input[{i}] has a token id outside the model's vocabulary (0 to "
                                         f"{self.facts.vocab_size - 1})", f"input[{i}]")
             ids = item.ids if item.ids is not None else tuple(tokenizer(item.text)["input_ids"])
+            ids = _cut(ids, self.facts.max_tokens, tokenizer) if item.truncate else ids
             jobs.append(PoolJob(self._fits(ids, f"input[{i}]")))
         return jobs
 
@@ -162,6 +164,14 @@ class Pooler:
             raise PoolingInputError(f"{param} has {len(ids)} tokens; model {self.name!r} takes at most {most} "
                                     "tokens per input", param)
         return ids
+
+
+def _cut(ids: tuple[int, ...], most: int, tokenizer: Any) -> tuple[int, ...]:
+    """The first ``most`` tokens; a special token the tokenizer ends with stays last (a last-token pooler reads it)."""
+    if len(ids) <= most:
+        return ids
+    end = ids[-1] in set(getattr(tokenizer, "all_special_ids", ()))
+    return ids[:most - 1] + ids[-1:] if end else ids[:most]
 
 
 def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future[list[float]]

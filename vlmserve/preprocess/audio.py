@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import re
 import wave
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from vlmserve.inputs import AUDIO_KEYS, HostArray, ImageItem
 from vlmserve.preprocess.images import ImageError
 
 FORMATS = ("wav", "mp3")  # OpenAI's input_audio formats
@@ -100,3 +103,30 @@ def windows(samples: np.ndarray, rate: int, seconds: float) -> list[np.ndarray]:
     """Consecutive fixed windows of ``seconds`` (the last one shorter), no overlap: a long file's clips."""
     size = max(1, int(seconds * rate))
     return [samples[start:start + size] for start in range(0, len(samples), size)]
+
+
+def clip_items(clips: Sequence[np.ndarray], arrays: dict[str, HostArray]) -> tuple[ImageItem, ...]:
+    """One item per clip: its rows of the processor's mel features cut to its own valid frames (the processor
+    pads every clip to the longest; the tower's valid output is the same either way, bitwise), keyed by the
+    decoded samples' hash. ``()`` where the features are not one padded row per clip."""
+    features, mask = (arrays.get(k) for k in AUDIO_KEYS)
+    if not isinstance(features, np.ndarray) or not isinstance(mask, np.ndarray) or len(features) != len(clips):
+        return ()
+    items = []
+    for i, samples in enumerate(clips):
+        valid = int(mask[i].sum())
+        if not mask[i, :valid].all():  # valid frames first, then padding: else the cut would not be the clip's
+            return ()
+        own = {AUDIO_KEYS[0]: features[i:i + 1, :valid], AUDIO_KEYS[1]: mask[i:i + 1, :valid]}
+        items.append(ImageItem(clip_key(samples), own))
+    return tuple(items)
+
+
+def clip_key(samples: np.ndarray) -> str:
+    """The vision cache's key of a decoded clip: its samples' hash (the feature extractor is the model's, fixed),
+    apart from every image key."""
+    h = hashlib.blake2b(digest_size=20)
+    samples = np.ascontiguousarray(samples, dtype=np.float32)
+    h.update(f"audio:{samples.shape};".encode())
+    h.update(samples.data)
+    return "audio:" + h.hexdigest()

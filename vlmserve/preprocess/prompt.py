@@ -20,6 +20,7 @@ import numpy as np
 from PIL import Image
 
 from vlmserve.inputs import AUDIO_KEYS, HostArray, ImageItem, PromptInputs
+from vlmserve.preprocess.audio import clip_items
 from vlmserve.preprocess.control import ControlTokens
 from vlmserve.preprocess.image_items import image_items, picture_hash
 from vlmserve.preprocess.image_sizes import ProcessorLimit
@@ -140,7 +141,8 @@ def encode(processor: Any, text: str, images: Sequence[Image.Image] = (),
     items = image_items(pictures, len(images), len(ids), len(videos))
     if picture_keys and not items and images and not videos:  # arrays that do not split per image (tiles)
         items = tuple(ImageItem(picture_hash(image, image_kwargs), {}) for image in images)
-    return PromptInputs(input_ids=ids, arrays=arrays, num_images=len(images) + len(videos), images=items)
+    return PromptInputs(input_ids=ids, arrays=arrays, num_images=len(images) + len(videos), images=items,
+                        clips=clip_items(audio, arrays) if audio else ())
 
 
 # The history the next turn renders: this prompt's messages, a reply and a question (placeholders)

@@ -75,6 +75,9 @@ class ModelAdapter:
     # ``get_input_embeddings`` as ``cached_image_features`` (``join_features``)? Then the vision
     # cache keeps them across requests (engine/vision_cache.py).
     vision_cache: ClassVar[bool] = False
+    # May one audio clip's features be computed alone (``encode_clip``) and handed to ``embed`` as
+    # ``cached_audio_features``? Then the vision cache keeps them too, keyed by the clip's samples.
+    encodes_clips: ClassVar[bool] = False
     # May one prompt carry images and videos together? Not where mlx-vlm's merge takes one kind.
     mixes_media: ClassVar[bool] = True
     # May a video go as its frames, each an image, where the processor has a video token but no video
@@ -220,6 +223,10 @@ class ModelAdapter:
     def encode_image(self, arrays: dict[str, mx.array]) -> mx.array:
         """One image's (or video's) features in the language model's space (vision tower and projector)."""
         raise NotImplementedError(f"{type(self).__name__} has no vision cache")
+
+    def encode_clip(self, arrays: dict[str, mx.array]) -> mx.array:
+        """One audio clip's features in the language model's space, its valid frames only ``[1, frames, hidden]``."""
+        raise NotImplementedError(f"{type(self).__name__} encodes no clip alone")
 
     def join_features(self, items: tuple[ImageItem, ...], features: list[mx.array]) -> dict[str, mx.array]:
         """The prompt's images' features (``items``' order), as ``get_input_embeddings``' keywords."""

@@ -12,9 +12,10 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 from mlx_vlm.models.base import create_attention_mask
+from mlx_vlm.models.gemma4.gemma4 import masked_scatter
 
-from vlmserve.engine.models.base import ModelAdapter
-from vlmserve.inputs import ImageItem, PromptInputs
+from vlmserve.engine.models.base import Embedded, ModelAdapter
+from vlmserve.inputs import AUDIO_KEYS, ImageItem, PromptInputs
 from vlmserve.preprocess.image_sizes import ProcessorLimit, gemma4_limit, limit_of
 
 
@@ -58,6 +59,7 @@ class Gemma4Adapter(ModelAdapter):
     tool_format: ClassVar[str | None] = "gemma4"
     batch_embed: ClassVar[bool] = True
     vision_cache: ClassVar[bool] = True
+    encodes_clips: ClassVar[bool] = True
     layer_returns_tuple: ClassVar[bool] = True
 
     @classmethod
@@ -79,6 +81,25 @@ class Gemma4Adapter(ModelAdapter):
         pixels = pixels[None] if pixels.ndim == 3 else pixels  # an image of a size of its own
         features: mx.array = self.model.encode_image(pixels, arrays.get("image_position_ids"))  # [1, tokens, hidden]
         return features
+
+    def encode_clip(self, arrays: dict[str, mx.array]) -> mx.array:
+        # As mlx-vlm's get_input_embeddings runs the audio tower, but keeping only the valid frames as transformers
+        # does: mlx-vlm scatters a padded batch's frames in a row, so a shorter first clip's padding took the
+        # second clip's first places (mlx-vlm 0.7.10; tests/test_audio.py)
+        encoded, invalid = self.model.audio_tower(arrays["input_features"], ~arrays["input_features_mask"].astype(mx.bool_))
+        features: mx.array = self.model.embed_audio(encoded)
+        return features[:, :int((~invalid).sum().item())]
+
+    def embed(self, input_ids: mx.array, arrays: dict[str, Any], cached: dict[str, mx.array] | None = None) -> Embedded:
+        cached = dict(cached or {})
+        clips = cached.pop("cached_audio_features", None)
+        if clips is None:
+            return super().embed(input_ids, arrays, cached or None)
+        embedded = super().embed(input_ids, {k: v for k, v in arrays.items() if k not in AUDIO_KEYS}, cached or None)
+        embeds = embedded.inputs_embeds  # the clips' features at the audio tokens, as mlx-vlm's scatter puts them
+        at = mx.broadcast_to((input_ids == self.model.config.audio_token_id)[..., None], embeds.shape)
+        embedded.inputs_embeds = masked_scatter(embeds, at, clips.astype(embeds.dtype))  # type: ignore[no-untyped-call]
+        return embedded
 
     def join_features(self, items: tuple[ImageItem, ...], features: list[mx.array]) -> dict[str, mx.array]:
         # Scattered in order over each kind's placeholders: images', then videos'
