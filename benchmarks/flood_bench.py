@@ -1,7 +1,8 @@
 """[main] /health under a flood (issue 46): does the event loop stay light while 300 requests arrive at once?
 
     python benchmarks/flood_bench.py [--runs 3] [--requests 300] [--max-tokens 24] [--interval 0.025]
-        [--probe process|loop] [--arch gemma4] [--size micro] [--base CHECKOUT ...] [--only-bases] [--out DIR]
+        [--probe process|loop] [--loop-lag] [--arch gemma4] [--size micro] [--base CHECKOUT ...] [--only-bases]
+        [--out DIR]
 
 Starts ``vlmserve serve`` on a small offline model (``--max-queue`` = the flood, so every request is
 admitted), sends one streamed request to warm it, then fires ``--requests`` streamed chat completions at
@@ -18,6 +19,12 @@ e.g. a ``git worktree`` of an earlier commit, with the same Python (``PYTHONPATH
 the same), labelled by its folder and commit (``+``: files changed since); ``--only-bases`` leaves this
 checkout out. Writes ``flood.json`` and ``flood.md`` to DIR (default results/flood) and prints the
 table; the 1-minute load average is recorded before and after each flood.
+
+``--loop-lag`` says where a slow probe's time went: the server times each pass of its event loop
+(benchmarks/loop_lag/sitecustomize.py), in wall time and in the loop thread's CPU time, and each run
+reports the passes over 20 ms during the flood, how many of them the loop spent that long working
+(CPU), and the loop's CPU seconds in all. Slow in wall time but not in CPU: the loop was runnable and
+waited for a core (or the GIL), so answering probes elsewhere in the same process would wait too.
 """
 
 from __future__ import annotations
@@ -161,6 +168,9 @@ def run_server(name: str, spec: ServerSpec, model: Path, args: argparse.Namespac
     checkout = HERE.parent if name == "vlmserve" else Path(name.removeprefix("base:")).resolve()
     env = dict(os.environ, PYTHONUNBUFFERED="1", VLMSERVE_NO_OPENBLAS="1", PYTHONPATH=str(checkout))
     imported = which_vlmserve(env)
+    lag = args.out / f"loop-lag-{name.replace('/', '_')}-run{run}.json"
+    if args.loop_lag:  # after the check: the timer is imported at start-up, from the folder put first
+        env.update(PYTHONPATH=f"{HERE / 'loop_lag'}{os.pathsep}{checkout}", VLMSERVE_LOOP_LAG=str(lag))
     if not imported.startswith(str(checkout / "vlmserve") + os.sep):
         return {"failed": f"would import vlmserve from {imported or 'nowhere'}, not {checkout}"}
     port = int(spec.argv[spec.argv.index("--port") + 1])
@@ -169,9 +179,23 @@ def run_server(name: str, spec: ServerSpec, model: Path, args: argparse.Namespac
         with serving(spec, port, env, log) as (problem, _):
             if problem is not None:
                 return {"failed": f"server {problem}; see {log}"}
-            return one_flood(f"http://127.0.0.1:{port}", str(model), args)
+            result = one_flood(f"http://127.0.0.1:{port}", str(model), args)
     except Exception as exc:  # noqa: BLE001 - a row that says why
         return {"failed": f"{type(exc).__name__}: {exc}"[:300]}
+    if args.loop_lag:  # the server wrote it on its way out
+        result["loop"] = loop_passes(json.loads(lag.read_text()), result)
+    return result
+
+
+def loop_passes(passes: list[list[float]], flood: dict[str, Any]) -> dict[str, Any]:
+    """The event loop's passes during the flood (perf_counter and monotonic are one clock here): those over
+    20 ms in wall time, how many of them worked that long (CPU), the longest of each, and the CPU in all."""
+    start = flood["start_monotonic"]
+    during = [p for p in passes if start <= p[0] <= start + flood["flood_s"]]
+    slow = [p for p in during if p[1] > 20]
+    return {"passes_over_20ms": len(slow), "cpu_over_20ms": sum(p[2] > 20 for p in slow),
+            "max_wall_ms": max((p[1] for p in during), default=0), "max_cpu_ms": max((p[2] for p in during), default=0),
+            "cpu_s": round(sum(p[2] for p in during) / 1000, 2)}
 
 
 def render(summary: dict[str, Any]) -> str:
@@ -188,7 +212,13 @@ def render(summary: dict[str, Any]) -> str:
             cells = [" / ".join(str(r[path][k]) for r in runs) for k in keys]
             p99 = statistics.median(r[path]["p99_ms"] for r in runs if r[path]["p99_ms"] is not None)
             rows.append([server["label"], path, *cells, " / ".join(str(r["flood_s"]) for r in runs), f"{p99:.1f}"])
-    return _table(header, rows) + "\nEach cell: one value per run, in order.\n"
+    return _table(header, rows) + "\nEach cell: one value per run, in order.\n" + _loop_lines(summary)
+
+
+def _loop_lines(summary: dict[str, Any]) -> str:
+    lines = [f"- {server['label']} run {i}, the loop during the flood: {r['loop']}"
+             for server in summary["servers"] for i, r in enumerate(server["runs"], 1) if "loop" in r]
+    return "\n" + "\n".join(lines) + "\n" if lines else ""
 
 
 def heading(summary: dict[str, Any]) -> str:
@@ -209,6 +239,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--interval", type=float, default=0.025, help="seconds from one probe's start to the next")
     parser.add_argument("--probe", choices=["process", "loop"], default="process",
                         help="probe from a process of its own, or from the flood's event loop (as the test does)")
+    parser.add_argument("--loop-lag", action="store_true",
+                        help="time the server's event-loop passes (wall and CPU) to say where slow probes waited")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--base", type=Path, action="append", default=[], metavar="CHECKOUT",
                         help="another vlmserve checkout to flood in turn (PYTHONPATH); repeatable")

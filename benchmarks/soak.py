@@ -1,6 +1,7 @@
 """[main] Soak: ``vlmserve serve`` under mixed load at concurrency 4 for 10 minutes, its RSS over time.
 
     python benchmarks/soak.py [--duration 600] [--warmup S] [--concurrency 4] [--model DIR] [--out DIR] [--no-plot]
+        [--features] [--max-slope MIB_PER_MIN]
 
 Starts the server (the built-in demo model unless --model) and keeps ``concurrency`` requests in
 flight until the time is up: image and text prompts, streamed and not, tool calls and tool
@@ -20,6 +21,11 @@ a short window: the run fails (exit status 1) if that growth is 10% or more, if 
 5xx or failed otherwise (a stuck client the server did not release included), if ``/health``'s
 p99 is 50 ms or more, or if the server died. Writes ``soak.json``, the server's log and
 ``soak.png`` (RSS over time) to DIR.
+
+``--features`` turns every feature on (benchmarks/soak_features.py): three models swapping through a
+``--model-dir``, the disk tier, 8-bit KV, ngram speculation; MLX's active and cached memory are sampled
+beside the RSS, the slope of each over the run's second half is reported (MiB/min) and plotted, and
+``--max-slope`` fails a run whose RSS slope there is that or more.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ from loadgen import (
     synthetic_images,
 )
 from PIL import Image
+from soak_features import mlx_memory, server_args
+from soak_features import plot as plot_features
+from soak_features import summary as memory_summary
 
 from vlmserve.progress import Progress, progress
 from vlmserve.testing.demo.dialogues import CITIES, UNITS, WEATHER_TOOL, weather_exchange
@@ -97,8 +106,9 @@ MIX = (Kind("image-stream", 3, image=True), Kind("text-stream", 2), Kind("image-
 class Load:
     """The request stream: which kind comes next, its prompt and image, and every result."""
 
-    def __init__(self, client: httpx.AsyncClient, target: Target, seed: int = 0) -> None:
+    def __init__(self, client: httpx.AsyncClient, target: Target, seed: int = 0, models: list[str] | None = None) -> None:
         self.client, self.target, self.rng = client, target, random.Random(seed)
+        self.models = models or [target.model]  # each request names one at random (--features: they swap)
         self.images = synthetic_images(256)  # a stock that repeats: some vision-cache hits, mostly misses
         self.results: list[RequestResult] = []
         self.sent = 0
@@ -111,7 +121,8 @@ class Load:
         rng, kind = self.rng, self.rng.choices(MIX, [k.weight for k in MIX])[0]
         max_tokens = rng.choice(MAX_TOKENS)
         extra = {"tools": [WEATHER_TOOL]} if kind.tools else {"ignore_eos": True} if rng.random() < 0.5 else {}
-        target = Target(self.target.base_url, self.target.model, {**self.target.extra_body, **extra})
+        model = self.rng.choice(self.models)
+        target = Target(self.target.base_url, model, {**self.target.extra_body, **extra})
         msgs = self._messages(kind, self.sent)
         if kind.stream:
             cancel_after = rng.randint(1, 4) if kind.cancel else None
@@ -182,13 +193,24 @@ class Load:
         self.results.append(result)
 
     async def _stalled(self) -> float:
-        text = (await self.client.get(f"{self.target.base_url}/metrics", timeout=10)).text
+        try:
+            text = (await self.client.get(f"{self.target.base_url}/metrics", timeout=10)).text
+        except httpx.TransportError:  # a kept-alive connection closed as it was taken: once more, on a new one
+            text = (await self.client.get(f"{self.target.base_url}/metrics", timeout=10)).text
         return sum(float(m.group(1)) for m in re.finditer(r"^vlmserve_stalled_requests_total(?:\{[^}]*\})? (\S+)$",
                                                           text, re.M))
 
     async def probe_health(self) -> None:
         start = time.perf_counter()
-        response = await self.client.get(f"{self.target.base_url}/health", timeout=10)
+        try:
+            response = await self.client.get(f"{self.target.base_url}/health", timeout=10)
+        except httpx.TransportError:  # a kept-alive connection the server closed as it was taken: once more, on a new one
+            start = time.perf_counter()
+            try:
+                response = await self.client.get(f"{self.target.base_url}/health", timeout=10)
+            except httpx.TransportError as exc:
+                self.results.append(RequestResult(kind="health", error=f"{type(exc).__name__}: {exc}"[:300]))
+                return
         self.health_ms.append((time.perf_counter() - start) * 1000)
         if response.status_code != 200:
             self.results.append(RequestResult(kind="health", error=f"HTTP {response.status_code}: {response.text}"))
@@ -227,13 +249,22 @@ def rss_bytes(pid: int) -> int | None:
         return None
 
 
+def threads(pid: int) -> int:
+    """The process's threads, native ones included (an MLX stream's thread is one)."""
+    found = re.search(r"^Threads:\s+(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M)
+    return int(found.group(1)) if found else 0
+
+
 async def sample(pid: int, every_s: float, t0: float, samples: list[list[float]], done: asyncio.Event,
-                 bar: Progress, load: Load) -> None:
-    """RSS in MiB (the ``_mb`` keys are MiB throughout) every ``every_s`` until ``done``; the bar counts seconds."""
+                 bar: Progress, load: Load, mlx: list[list[float]] | None = None) -> None:
+    """RSS in MiB (the ``_mb`` keys are MiB throughout) every ``every_s`` until ``done``, and MLX's active and
+    cached MiB from /metrics into ``mlx`` when given, with the process's thread count; the bar counts seconds."""
     shown = 0
     while not done.is_set() and (rss := rss_bytes(pid)) is not None:
         elapsed = time.monotonic() - t0
         samples.append([round(elapsed, 2), round(rss / 2**20, 1)])
+        if mlx is not None and (memory := await mlx_memory(load.client, load.target.base_url)) is not None:
+            mlx.append([round(time.monotonic() - t0, 2), *memory, threads(pid)])
         failed = sum(1 for r in load.results if not r.ok)
         bar.set_postfix_str(f"rss {samples[-1][1]:.0f} MB, {len(load.results)} req, {failed} failed")
         bar.update(int(elapsed) - shown)
@@ -244,11 +275,14 @@ async def sample(pid: int, every_s: float, t0: float, samples: list[list[float]]
             pass
 
 
-async def soak(target: Target, pid: int, args: argparse.Namespace) -> tuple[Load, list[list[float]], float]:
-    """``concurrency`` lanes, each sending its next request until the time is up, and the sampler."""
+async def soak(target: Target, pid: int, args: argparse.Namespace,
+               models: list[str]) -> tuple[Load, list[list[float]], list[list[float]], float]:
+    """``concurrency`` lanes, each sending its next request until the time is up, and the sampler: the RSS, and
+    MLX's memory (``--features``)."""
     limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)) as client:
-        load, samples, done = Load(client, target, args.seed), [], asyncio.Event()
+        load, samples, done = Load(client, target, args.seed, models), [], asyncio.Event()
+        mlx: list[list[float]] | None = [] if args.features else None
         start = time.monotonic()
         deadline = start + args.duration
 
@@ -267,11 +301,11 @@ async def soak(target: Target, pid: int, args: argparse.Namespace) -> tuple[Load
                   every(args.stuck_every, 2.0, lambda: load.send_stuck(args.stuck_hold))]
 
         with progress(total=int(args.duration), desc="soak", unit="s", file=sys.stderr) as bar:
-            sampler = asyncio.ensure_future(sample(pid, args.sample_every, start, samples, done, bar, load))
+            sampler = asyncio.ensure_future(sample(pid, args.sample_every, start, samples, done, bar, load, mlx))
             await asyncio.gather(*(lane() for _ in range(args.concurrency)), *extras)
             done.set()
             await sampler
-        return load, samples, time.monotonic() - start
+        return load, samples, mlx or [], time.monotonic() - start
 
 
 def rss_summary(samples: list[list[float]], warmup_s: float, window_s: float) -> dict[str, Any]:
@@ -322,6 +356,9 @@ def verdict(report: dict[str, Any], server_alive: bool) -> list[str]:
     reasons += [f"{requests['http_5xx']} requests got a 5xx"] if requests["http_5xx"] else []
     reasons += [f"{requests['failed']} requests failed"] if requests["failed"] else []
     reasons += ["no request completed"] if not requests["completed"] else []
+    memory = report.get("memory") or {}
+    if memory.get("max_slope") is not None and (memory["rss_slope"] is None or memory["rss_slope"] >= memory["max_slope"]):
+        reasons.append(f"RSS slope over the second half {memory['rss_slope']} MiB/min (limit {memory['max_slope']})")
     if growth is None:
         reasons.append("too few RSS samples after the warm-up")
     elif growth >= GROWTH_LIMIT_PCT:
@@ -355,6 +392,7 @@ def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     argv = [sys.executable, "-m", "vlmserve.cli", "serve", "--port", str(port), "--max-batch-size", str(args.max_batch)]
     argv += ["--model", args.model] if args.model else []
     argv += ["--stream-stall-timeout", str(STALL_TIMEOUT_S)]
+    argv += server_args(args.out) if args.features else []
     env = dict(os.environ, PYTHONUNBUFFERED="1") | ({"VLMSERVE_NO_OPENBLAS": "1"} if args.no_openblas else {})
     started = time.perf_counter()
     with open(log_path, "w") as log:
@@ -370,9 +408,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     proc, port, ready_s = start_server(args, args.out / "soak-server.log")
     try:
         base_url = f"http://127.0.0.1:{port}"
-        model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        listed = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"]
+        model = next(m["id"] for m in listed if m.get("pinned", True))  # --features: the stalled clients' model
+        models = [m["id"] for m in listed if not m.get("pinned", True)] or [model]  # --features: those that swap
         idle_rss = rss_bytes(proc.pid)
-        load, samples, wall_s = asyncio.run(soak(Target(base_url, model), proc.pid, args))
+        load, samples, mlx, wall_s = asyncio.run(soak(Target(base_url, model), proc.pid, args, models))
         alive = proc.poll() is None
     finally:
         stop(proc)
@@ -387,6 +427,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "health": health_summary(load.health_ms),
               "rss": {"source": "psutil" if psutil else "/proc/PID/status VmRSS", **rss_summary(samples, warmup, window),
                       "samples": samples}}
+    if args.features:
+        report["memory"] = memory_summary(samples, mlx, wall_s) | {"max_slope": args.max_slope, "mlx_samples": mlx,
+                                                                  "models": models}
     report["failures"] = verdict(report, alive)
     report["passed"] = not report["failures"]
     return report
@@ -408,15 +451,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "soak")
     parser.add_argument("--no-plot", action="store_true", help="skip soak.png (matplotlib is in the bench extra)")
+    parser.add_argument("--features", action="store_true",
+                        help="every feature on: three models swapping, disk tier, --kv-bits 8, ngram speculation")
+    parser.add_argument("--max-slope", type=float, default=None,
+                        help="fail when the RSS slope over the second half is this many MiB/min or more")
     args = parser.parse_args(argv)
     report = run(args)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1))
-    if not args.no_plot:
+    if not args.no_plot and "memory" in report:
+        title = f"soak, every feature on: {report['wall_s'] / 60:.0f} min, concurrency {args.concurrency}"
+        plot_features(report["rss"]["samples"], report["memory"]["mlx_samples"], report["memory"], title,
+                      args.out / "soak.png")
+    elif not args.no_plot:
         plot(report, args.out / "soak.png")
     rss, req, health = report["rss"], report["requests"], report["health"]
     print(f"RSS after warm-up: start {rss.get('start_mb')} MiB, peak {rss.get('peak_mb')} MiB, "
           f"end {rss.get('end_mb')} MiB, growth {rss['growth_pct']}%; {req['completed']}/{req['sent']} requests completed, "
           f"{req['http_5xx']} 5xx; /health p50 {health.get('p50_ms')} ms, p99 {health.get('p99_ms')} ms")
+    if "memory" in report:
+        m = report["memory"]
+        print(f"second half (MiB/min): RSS {m['rss_slope']}, MLX active {m['active_slope']}, MLX cache {m['cache_slope']}")
     print("PASSED" if report["passed"] else "FAILED: " + "; ".join(report["failures"]), f"- results in {args.out}")
     return 0 if report["passed"] else 1
 

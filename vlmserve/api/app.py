@@ -25,6 +25,7 @@ from vlmserve.api.anthropic_input import CountTokensRequest, MessagesRequest
 from vlmserve.api.chat import create_chat_completion
 from vlmserve.api.completions import CompletionRequest, create_completion
 from vlmserve.api.errors import APIError, first_line, install_error_handlers, log_rejection
+from vlmserve.api.memory_metrics import fresh_counters
 from vlmserve.api.pooling import EmbeddingsRequest, RerankRequest, create_embeddings, rerank
 from vlmserve.api.responses import create_response
 from vlmserve.api.responses_input import ResponsesRequest
@@ -136,7 +137,8 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        fresh = await fresh_counters([(m.name, m.engine) for m in state.models])  # an idle worker publishes nothing
+        return Response(state.metrics.render(fresh), media_type="text/plain; version=0.0.4")
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -6,8 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from vlmserve.api.memory_metrics import MemoryCollector
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no ``*_created`` series: dashboards never read them
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -84,8 +93,7 @@ _PER_POSITION = ("vlmserve_spec_decode_accepted_tokens_per_pos", "vllm:spec_deco
                  "Draft tokens accepted, by their position in the draft (0: the first)")
 
 
-def _engine_values(engine: Any) -> tuple[dict[str, float], dict[str, float]] | None:
-    m = engine.metrics
+def _engine_values(engine: Any, m: Any) -> tuple[dict[str, float], dict[str, float]] | None:
     if m is None:
         return None
     budget = m.kv_budget_bytes or 0
@@ -125,6 +133,7 @@ class _EngineCollector:
 
     def __init__(self, engines: Callable[[], list[tuple[str, Any]]]) -> None:
         self._engines = engines
+        self.fresh: dict[str, Any] = {}  # name -> EngineMetrics read on its worker for this scrape
 
     def collect(self) -> Iterator[Metric]:
         ours = {k: GaugeMetricFamily(n, h, labels=["model"]) for k, (n, _, h) in _GAUGES.items()}
@@ -134,10 +143,11 @@ class _EngineCollector:
         positions = [CounterMetricFamily(_PER_POSITION[0], _PER_POSITION[2], labels=["model", "position"]),
                      CounterMetricFamily(_PER_POSITION[1], _PER_POSITION[2], labels=["model_name", "position"])]
         for name, engine in self._engines():
-            values = _engine_values(engine)
+            m = self.fresh.get(name) or engine.metrics
+            values = _engine_values(engine, m)
             if values is None:
                 continue
-            for i, accepted in enumerate(engine.metrics.spec_accepted_per_position):
+            for i, accepted in enumerate(m.spec_accepted_per_position):
                 for family in positions:
                     family.add_metric([name, str(i)], accepted)
             for key, value in values[0].items():
@@ -186,6 +196,8 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and the rest, as every Prometheus client has
+        self._collectors: tuple[_EngineCollector, MemoryCollector] | tuple[()] = ()
         self.requests = Counter("vlmserve_requests", "Chat requests by final status", ["model", "status"], registry=r)
         self.rejections = Counter("vlmserve_rejected_requests", "Requests answered with an error status, by status "
                                   "and error code", ["status", "code"], registry=r)
@@ -202,7 +214,9 @@ class ServerMetrics:
                                        ["model"], registry=r)
 
     def watch_engines(self, engines: Callable[[], list[tuple[str, Any]]]) -> None:
-        self.registry.register(_EngineCollector(engines))
+        self._collectors = (_EngineCollector(engines), MemoryCollector(engines))
+        for collector in self._collectors:
+            self.registry.register(collector)
         for name, engine in engines():
             self.watch(name, engine)
 
@@ -229,7 +243,10 @@ class ServerMetrics:
     def rejected(self, status: int, code: str | None) -> None:
         self.rejections.labels(str(status), code or "").inc()
 
-    def render(self) -> bytes:
+    def render(self, fresh: dict[str, Any] | None = None) -> bytes:
+        """The registry's text; ``fresh``: engines' counters read for this scrape (memory_metrics.fresh_counters)."""
+        for collector in self._collectors:
+            collector.fresh = fresh or {}
         return generate_latest(self.registry)
 
 

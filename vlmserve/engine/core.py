@@ -18,7 +18,7 @@ from vlmserve.engine.disk_store import DiskStore
 from vlmserve.engine.disk_tier import IMAGES, TEXT, DiskTier, identity, model_folder
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import LoadedModel, default_kv_budget
-from vlmserve.engine.memory import KVBudget, measure_footprint
+from vlmserve.engine.memory import KVBudget, batch_memory, measure_footprint, mlx_memory
 from vlmserve.engine.models import ModelAdapter
 from vlmserve.engine.mtp import MtpDrafter
 from vlmserve.engine.mtp_prefix import DraftPrefix
@@ -344,6 +344,8 @@ class EngineCore:
         m.kv_reserved_bytes, m.kv_budget_bytes = self.scheduler.kv_reserved_bytes, self.kv.limit_bytes
         m.prefix, m.vision, m.mm_prefix = self.caches.stats()
         m.disk = self.tier.stats() if self.tier is not None else None
+        m.kv_used_bytes, m.draft_bytes = batch_memory(getattr(self.runner, "batch", None))
+        m.mlx_active_bytes, m.mlx_cache_bytes, m.mlx_cache_limit_bytes = mlx_memory()
 
     def snapshot(self) -> EngineMetrics:
         """Exact counters between steps (call on the worker); ``metrics`` may lag a step."""

@@ -78,6 +78,10 @@ class DiskStoreStats:
     writes_pending: int
     evictions: int
     writes_dropped: int = 0
+    # the caps, and the memory the writes waiting for the writer thread hold (host copies of their KV)
+    limit_bytes: int = 0
+    pending_bytes: int = 0
+    pending_limit_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -387,4 +391,6 @@ class DiskStore:
 
     def stats(self) -> DiskStoreStats:
         with self._lock:
-            return DiskStoreStats(len(self._index), self._bytes, writes_pending=len(self._pending), **asdict(self._n))
+            return DiskStoreStats(len(self._index), self._bytes, writes_pending=len(self._pending), **asdict(self._n),
+                                  limit_bytes=self.max_bytes, pending_bytes=sum(self._pending.values()),
+                                  pending_limit_bytes=self.max_pending_bytes)

@@ -136,6 +136,32 @@ class KVBudget:
                 "shorten the prompt")
 
 
+def held_bytes(cache: Sequence[Any] | None) -> int:
+    """Bytes a cache's layers hold now, as allocated (a KVCache grows its arrays in steps, so more than
+    its positions need); the caches ``KVFootprint.measure`` reads."""
+    total = 0
+    for layer in cache or ():
+        parts = [*_parts(getattr(layer, "keys", None)), *_parts(getattr(layer, "values", None))]
+        total += sum(p.nbytes for p in parts) if parts else sum(a.nbytes for a in _arrays(getattr(layer, "state", ())))
+    return total
+
+
+def batch_memory(batch: Any) -> tuple[int, int]:
+    """A decode batch's (KV bytes, its drafter's own state's bytes) now; (0, 0) for a runner without one."""
+    if batch is None:
+        return 0, 0
+    draft = batch.draft.nbytes() if batch.draft is not None and hasattr(batch.draft, "nbytes") else 0
+    return held_bytes(batch.cache), draft
+
+
+def mlx_memory() -> tuple[int, int, int]:
+    """[any] MLX's active bytes, its buffer cache's and that cache's cap: the process's, every stream's.
+    MLX has no getter for the cap; setting one returns the one before, which is put straight back."""
+    limit = mx.set_cache_limit(1 << 62)
+    mx.set_cache_limit(limit)
+    return mx.get_active_memory(), mx.get_cache_memory(), int(limit)
+
+
 def give_back() -> None:
     """[any] After an engine stopped and was dropped (a model unloaded): collect what still refers to its
     arrays, empty MLX's buffer cache, and hand the freed heap back to the system (``malloc_trim``).

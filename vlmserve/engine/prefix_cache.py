@@ -42,6 +42,7 @@ class PrefixCacheStats:
     disk_hits: int = 0  # lookups served from the disk tier (counted in hits too)
     disk_hit_tokens: int = 0
     pinned: int = 0  # entries kept from eviction until their TTL ends (Anthropic's cache_control)
+    limit_bytes: int = 0  # the store's cap (its entries' drafter state included)
 
 
 @dataclass(slots=True, frozen=True)
@@ -195,7 +196,7 @@ class PrefixCache:
         now = self._clock()
         return PrefixCacheStats(len(self._lru), self.nbytes, self.hits, self.misses, self.hit_tokens,
                                 self.query_tokens, self.budget_evictions, self.disk_hits, self.disk_hit_tokens,
-                                sum(until > now for until in self._pins.values()))
+                                sum(until > now for until in self._pins.values()), int(self._lru.max_bytes))
 
 
 class _PinnedOrder(LRUPromptCache.CacheOrder):

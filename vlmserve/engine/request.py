@@ -81,6 +81,13 @@ class EngineMetrics:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # Memory by owner (engine/memory.py), read with the counters: the batch's KV as allocated now (bounded by
+    # ``kv_reserved_bytes``), its drafter's own state, and MLX's active and cached bytes (the process's)
+    kv_used_bytes: int = 0
+    draft_bytes: int = 0
+    mlx_active_bytes: int = 0
+    mlx_cache_bytes: int = 0
+    mlx_cache_limit_bytes: int = 0
 
 
 @dataclass(slots=True, frozen=True)
