@@ -116,7 +116,7 @@ class Harness:
         self.worker = MLXWorkerThread(name="core-test")
         self.worker.start()
         loaded = SimpleNamespace(eos_token_ids=frozenset({EOS}), max_context=1 << 20, adapter=FakeAdapter(),
-                                 processor=None)
+                                 processor=None, drafter=None)
         self.steps: queue.SimpleQueue[StepOutputs] = queue.SimpleQueue()
         self.core = self.worker.call(EngineCore, loaded, self.worker, self.steps.put, config, runner)
         self.worker.set_stepper(self.core)

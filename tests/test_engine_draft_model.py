@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import gather, scene
+from test_engine_spec_batch import _recording, _turn_two
 from test_engine_speculative import _outputs, sampling_kept
 from test_families import Family, _start, _stop
 
@@ -123,6 +124,51 @@ def test_a_smaller_draft_model_of_the_same_tokenizer_gives_the_targets_tokens(
         assert got[2].num_cached_tokens >= len(prompts[2].input_ids) - 4
     finally:
         _stop(family)
+
+
+def test_a_row_whose_draft_model_prefill_cannot_pay_skips_it_beside_one_that_drafts(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Adaptive: a long prompt asking for 2 tokens is admitted without the draft model (its prefill could not
+    pay back, DraftPolicy.pays_prefill): nothing of the draft model's runs for its row, and every answer is
+    the target's, beside a short prompt's row, forced or not to draft by the measured costs."""
+    target, draft = _draft(tmp_path_factory, layers=1)
+    family = _start(target, speculative=SpeculativeConfig(method="draft_model", model=str(draft)), prefix_cache=False)
+    try:
+        prompts = [family.prompt(" ".join([TEXT] * 24)), family.prompt(TEXT)]
+        params = [dataclasses.replace(GREEDY, max_tokens=2), dataclasses.replace(GREEDY, max_tokens=24)]
+        read = family.engine.loaded.drafter.prefilled
+
+        async def together() -> list[list[int]]:
+            return await asyncio.gather(*(family.tokens(f"p{i}", p, q) for i, (p, q) in enumerate(zip(prompts, params))))
+
+        with _recording(family) as record:
+            got = family.run(together())
+        assert got == [family.reference(p, q.max_tokens) for p, q in zip(prompts, params)]
+        drafts = {n.request_id: n.drafts for step in record.steps for n in step.plan.new}
+        assert drafts["p0"] is False and len(prompts[0].input_ids) > 600
+        assert family.engine.loaded.drafter.prefilled - read == (len(prompts[1].input_ids) if drafts["p1"] else 0)
+    finally:
+        _stop(family)
+
+
+def test_a_restart_with_another_draft_model_drops_the_files_the_first_one_wrote(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """Every file on the disk tier ends with its draft model's KV: a server restarted with the same draft model
+    serves them; one started on the same directory with another (other shapes here) drops them (it failed its
+    warm-up on them before)."""
+    target, one = _draft(tmp_path_factory, layers=1)
+    _, whole = _draft(tmp_path_factory)
+    results = []
+    for draft in (one, one, whole):
+        family = _serve(target, draft, prefix_cache=True, prefix_cache_dir=str(tmp_path))
+        try:
+            first, second = _turn_two(family, "restart", TEXT, [])
+            prompt = second if results else first  # the second turn extends the first's
+            results.append(_outputs(family, f"r{len(results)}", prompt, GREEDY))
+            assert results[-1].token_ids == family.reference(prompt, GREEDY.max_tokens)
+        finally:
+            _stop(family)
+    assert [r.num_cached_tokens > 0 for r in results] == [False, True, False]
 
 
 def test_a_draft_model_of_another_tokenizer_is_refused_at_load_in_one_line(

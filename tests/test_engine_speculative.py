@@ -96,6 +96,20 @@ def test_the_policy_counts_what_a_drafter_model_costs() -> None:
     assert cheap >= 2 and policy.width([0.7], [4], rows=1, modelled=1) == 0
 
 
+def test_a_draft_models_prefill_must_pay_back_over_the_tokens_a_row_may_make() -> None:
+    """A draft model reads each prompt first. A new row drafts at the prior acceptance, 0.5: the best verify here,
+    1 token wide, yields 1.5 tokens for 0.01 + 0.003 s, 8.7 ms a token against a decode step's 10: 1.3 ms saved."""
+    config = SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=4)
+    policy = DraftPolicy(config, prompt_token_s=0.001, decode_step_s=0.01, sync_step_s=0.01, draft_token_s=0.002)
+    assert policy.pays_prefill(3000, 128)  # unmeasured: every row drafts
+    policy.draft_prefill_token_s = 0.0005
+    assert policy.pays_prefill(100, 128) and policy.pays_prefill(3000, 4096)  # 0.05 s < 0.17 s; 1.5 s < 5.5 s
+    assert not policy.pays_prefill(3000, 128) and not policy.pays_prefill(100, 8)  # 1.5 s > 0.17 s; 0.05 > 0.011
+    policy.draft_token_s = 0.02  # no draft pays: no prefill does either
+    assert not policy.pays_prefill(1, 4096)
+    assert DraftPolicy(dataclasses.replace(config, adaptive=False), 1.0, 0.01, 0.01, 1.0, 1.0).pays_prefill(9999, 1)
+
+
 def test_acceptance_forgets_and_counts_the_prediction() -> None:
     a = Acceptance()
     for _ in range(20):

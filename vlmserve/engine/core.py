@@ -16,6 +16,7 @@ from vlmserve.engine.costs import FLOOR_TOKENS, StepCosts, measure_costs
 from vlmserve.engine.dflash import DFlashDrafter
 from vlmserve.engine.disk_store import DiskStore
 from vlmserve.engine.disk_tier import IMAGES, TEXT, DiskTier, identity, model_folder
+from vlmserve.engine.draft_model import DraftModel
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.loader import LoadedModel, default_kv_budget
 from vlmserve.engine.memory import KVBudget, batch_memory, measure_footprint, mlx_memory
@@ -84,16 +85,22 @@ def disk_tier(loaded: LoadedModel, config: EngineConfig, policy: CachePolicy,
         return None
     quant = loaded.adapter.kv_quant
     kv = f"{quant.bits}-{quant.group_size}-{quant.start}" if quant is not None else "full"
+    spec = config.speculative
+    drafter = spec.model if spec is not None and _keeps_draft_state(loaded) else None
     store = DiskStore(model_folder(config.prefix_cache_dir, loaded.name), config.prefix_cache_disk_bytes,
-                      identity(loaded.path, loaded.model_type, loaded.model, kv))
+                      identity(loaded.path, loaded.model_type, loaded.model, kv, drafter))
     return DiskTier(store, stored_cache(loaded), prefill_s)
 
 
 def stored_cache(loaded: LoadedModel) -> Callable[[], list[Any]]:
-    """A fresh cache of what the prefix stores keep for this model: its layers, and the MTP drafter's
-    or DFlash drafter's state after them where it has one (engine/mtp_prefix.py)."""
+    """A fresh cache of what the prefix stores keep for this model: its layers, and the MTP drafter's,
+    DFlash drafter's or draft model's state after them where it has one (engine/mtp_prefix.py)."""
     make = loaded.adapter.make_cache
-    return (lambda: [*make(), DraftPrefix()]) if isinstance(loaded.drafter, (MtpDrafter, DFlashDrafter)) else make
+    return (lambda: [*make(), DraftPrefix()]) if _keeps_draft_state(loaded) else make
+
+
+def _keeps_draft_state(loaded: LoadedModel) -> bool:
+    return isinstance(loaded.drafter, (MtpDrafter, DFlashDrafter, DraftModel))
 
 
 def new_request(loaded: LoadedModel, request_id: str, prompt: PromptInputs, params: SamplingParams,
@@ -208,6 +215,8 @@ class EngineCore:
             self.scheduler.stream_tokens = self.costs.stream_tokens(self.scheduler.longest_wait(time.monotonic()))
             self.scheduler.pixel_tokens = self.costs.pixel_tokens()
         if self.scheduler.drafts is not None:
+            if isinstance(self.loaded.drafter, DraftModel):  # it times its own prompt prefills
+                self.costs.draft_prefill_token_s = self.loaded.drafter.prefill_token_s
             self.scheduler.drafts.measured(self.costs)
         plan = self.scheduler.schedule()
         output = self.runner.execute(plan)

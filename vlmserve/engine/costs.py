@@ -39,6 +39,7 @@ class StepCosts:
     sync_step_s: float = 0.0  # a decode step read at once (not pipelined), as a verify step is: probed once
     pixel_s: float = 0.0  # the vision tower's seconds per pixel value (running average)
     draft_token_s: float = 0.0  # a drafter model's seconds per draft token proposed (running average)
+    draft_prefill_token_s: float = 0.0  # a draft model's seconds per prompt token it reads (its own measure)
 
     def observe(self, seconds: float, prompt_tokens: float, vision_s: float, decoded: bool = True) -> None:
         """One step, its vision work taken off. A step that only decoded measures a decode step; one with

@@ -130,19 +130,31 @@ def model_folder(root: str, name: str) -> Path:
     return Path(root) / (re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model")
 
 
-def identity(path: Path, model_type: str, model: Any, kv: str) -> dict[str, str]:
+def identity(path: Path, model_type: str, model: Any, kv: str, drafter: str | None = None) -> dict[str, str]:
     """What must match for a file to be served: the model's config, its weights (each file's name, size
     and first MiB: the header with every tensor's shape, dtype and offset, and the first values), the
-    dtypes it is served in, the KV quantization and this vlmserve."""
+    dtypes it is served in, the KV quantization and this vlmserve; and where every entry ends with a
+    drafter's state (engine/mtp_prefix.py), that drafter's files the same way (or its Hub id)."""
     leaves = cast(list[tuple[str, Any]], tree_flatten(model.language_model.parameters()))
     dtypes = sorted({str(leaf.dtype) for _, leaf in leaves})
+    found = {"model_type": model_type, "config": _config(path), "weights": _weights(path),
+             "dtype": ",".join(dtypes), "kv": kv, "vlmserve": __version__}
+    if drafter is not None:  # another drafter's state has other shapes, or other values
+        found["drafter"] = f"{_config(Path(drafter))}:{_weights(Path(drafter))}" if Path(drafter).is_dir() else drafter
+    return found
+
+
+def _config(path: Path) -> str:
+    config = path / "config.json"
+    return hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else ""
+
+
+def _weights(path: Path) -> str:
     weights = hashlib.sha256()
     for file in sorted(path.glob("*.safetensors")):
         with file.open("rb") as f:
             weights.update(file.name.encode() + file.stat().st_size.to_bytes(8, "little") + f.read(1 << 20))
-    config = path / "config.json"
-    return {"model_type": model_type, "config": hashlib.sha256(config.read_bytes()).hexdigest() if config.exists()
-            else "", "weights": weights.hexdigest(), "dtype": ",".join(dtypes), "kv": kv, "vlmserve": __version__}
+    return weights.hexdigest()
 
 
 def to_host(cache: list[Any]) -> tuple[dict[str, Any], list[np.ndarray]]:

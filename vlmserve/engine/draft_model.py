@@ -8,10 +8,12 @@ is text-only; here the target's media placeholders are dropped and the text arou
 every token the row keeps. Its drafts are verified as any others (engine/verify.py): what it sees changes how
 many tokens a step keeps, never which.
 
-- **prompt:** as the prompt's row joins the batch, its text goes through the draft model in one forward per
-  ``PREFILL_CHUNK`` tokens, then each row's first token, its input (``enter``; ``n`` > 1 forks copy the prompt's
-  KV). A prompt that reuses a cached prefix is prefilled whole here too (the draft model's KV is not stored with
-  prefixes), so a hit drafts as well as a cold prefill;
+- **prompt:** as the prompt's row joins the batch (or its prefix is stored), its text goes through the draft
+  model in one forward per ``PREFILL_CHUNK`` tokens (``prefill``), then each row's first token, its input
+  (``enter``; ``n`` > 1 forks copy the prompt's KV). The prompt's KV is stored with its prefix (a ``DraftPrefix``,
+  engine/mtp_prefix.py, in memory and on disk): a prompt that reuses a prefix prefills only its new text, and
+  drafts as its cold prefill would. A row whose prefill could not pay (the policy's ``pays_prefill``, decided as
+  it is admitted) is *off*: nothing of the draft model's runs for it, and it never drafts;
 - **decode and verify:** each target forward leaves the tokens each row kept (``after_decode``,
   ``after_verify``) in the row's ``lag``; they go through the draft model with the row's input when the next
   step drafts, in one forward. A step that does not draft runs nothing of the draft model's, but for a forward
@@ -26,6 +28,7 @@ for every row, masked where a row has none there; each row's RoPE position is it
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -33,6 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from vlmserve.engine.mtp import DraftColumns, DraftRows
+from vlmserve.engine.mtp_prefix import DraftPrefix
 
 if TYPE_CHECKING:
     from vlmserve.engine.batch import DecodeBatch
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
 # ``cache.offset`` (a hybrid such as Qwen3.5's has recurrent layers whose state a rejected draft cannot cut)
 SUPPORTED = ("qwen2", "qwen3", "llama")
 PREFILL_CHUNK = 2048  # prompt tokens per draft-model forward
+TIMED_TOKENS = 64  # a prompt prefill this long or longer measures the draft model's cost per prompt token
 LAG = 32  # kept tokens a row may wait with while no step drafts, before they go through the draft model
 MEDIA_IDS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index", "audio_token_id")
 
@@ -57,6 +62,7 @@ class ModelRows:
     lag: mx.array  # [B, W] int32: each row's kept tokens not in ``kv`` yet, its first ``lag_n[row]``
     lag_n: list[int]
     fed: list[bool]  # the row's input is in ``kv`` (it joined with it, or drafted from it this step)
+    on: list[bool]  # the row drafts; an off row's ``kv`` holds its first token alone, and its lag stays empty
     # Plain decode steps' inputs ``[B]`` since, every row's (the lag's last columns, kept apart: a step adds none
     # of the ops a ragged append takes)
     steps: list[mx.array] = field(default_factory=list)
@@ -68,7 +74,7 @@ class ModelRows:
         width = max(p.lag.shape[1] for p in parts)
         lag = mx.concatenate([mx.pad(p.lag, [(0, 0), (0, width - p.lag.shape[1])]) for p in parts])
         return cls(DraftRows.merge([p.kv for p in parts]), lag, [n for p in parts for n in p.lag_n],
-                   [f for p in parts for f in p.fed])
+                   [f for p in parts for f in p.fed], [o for p in parts for o in p.on])
 
     def __len__(self) -> int:
         return len(self.lag_n)
@@ -83,14 +89,17 @@ class ModelRows:
         self.fold()
         self.kv.filter(index, keep)
         self.lag, self.lag_n, self.fed = self.lag[index], [self.lag_n[i] for i in keep], [self.fed[i] for i in keep]
+        self.on = [self.on[i] for i in keep]
 
     def extend(self, other: ModelRows) -> None:
         merged = ModelRows.merge([self, other])
-        self.kv, self.lag, self.lag_n, self.fed = merged.kv, merged.lag, merged.lag_n, merged.fed
+        self.kv, self.lag, self.lag_n, self.fed, self.on = merged.kv, merged.lag, merged.lag_n, merged.fed, merged.on
 
     def append(self, tokens: mx.array, lengths: list[int]) -> None:
-        """Each row's first ``lengths[row]`` of ``tokens`` ``[B, W]`` after its lag (no host read)."""
+        """Each row's first ``lengths[row]`` of ``tokens`` ``[B, W]`` after its lag (no host read); none for an
+        off row."""
         self.fold()
+        lengths = [n if on else 0 for n, on in zip(lengths, self.on)]
         width = max(n + m for n, m in zip(self.lag_n, lengths))
         if width == 0:
             return
@@ -111,8 +120,8 @@ class ModelRows:
 
     @property
     def waiting(self) -> int:
-        """The most tokens a row waits with."""
-        return max(self.lag_n, default=0) + len(self.steps)
+        """The most tokens a row waits with (an off row waits with none)."""
+        return max(self.lag_n, default=0) + len(self.steps) if any(self.on) else 0
 
     def take_lag(self) -> tuple[mx.array, list[int]]:
         self.fold()
@@ -139,6 +148,8 @@ class DraftModel:
         self.model: Any = model
         self.text: Any = getattr(model, "language_model", model)  # mlx-lm's text view of a VLM checkpoint
         self.media = media  # the target's image and video placeholder ids: not the draft model's to see
+        self.prefilled = 0  # prompt text tokens put through it (a prefix hit's new text only)
+        self.prefill_s, self.prefill_tokens = 0.0, 0  # the timed prefills: their seconds and tokens
 
     @classmethod
     def load(cls, path: str, target: nn.Module, tokenizer: Any, name: str) -> DraftModel:
@@ -176,6 +187,8 @@ class DraftModel:
         KV already."""
         state = _rows(batch)
         assert batch.tokens is not None
+        if not any(state.on):
+            return
         if any(state.fed):
             state.append(batch.tokens[:, None], [0 if fed else 1 for fed in state.fed])
             state.fed = [False] * len(state)
@@ -198,19 +211,44 @@ class DraftModel:
 
     # -- prompts --------------------------------------------------------------------
 
-    def enter(self, prompts: list[mx.array], firsts: list[list[int]]) -> ModelRows:
-        """Prompts' rows (``prompts``: their token ids ``[1, L]``), in order: a row per first token (``n`` > 1
-        forks copy a prompt's KV). Each prompt's text goes through the draft model, then each row's first token
-        (its input: a row drafts from its input's output, its seed)."""
+    def prefill(self, kv: DraftRows | None, input_ids: mx.array, end: int) -> DraftRows:
+        """A prompt's KV (``kv``: the text so far, or None) through the text of its first ``end`` positions."""
+        text = [t for t in cast(list[int], input_ids[0, :end].tolist()) if t not in self.media]
+        kv = kv if kv is not None else DraftRows.start(len(self.text.model.layers), 1, 0)
+        new = text[kv.counts[0]:]
+        start = time.perf_counter()
+        for first in range(0, len(new), PREFILL_CHUNK):
+            self._forward(kv, mx.array([new[first:first + PREFILL_CHUNK]], dtype=mx.int32), None)
+            mx.eval(kv.arrays())
+        self.prefilled += len(new)
+        if len(new) >= TIMED_TOKENS:  # a short one's fixed costs would pass for a prompt token's
+            self.prefill_s, self.prefill_tokens = self.prefill_s + time.perf_counter() - start, self.prefill_tokens + len(new)
+        kv.seed = None  # a prompt's last output: its first token's replaces it
+        return kv
+
+    @property
+    def prefill_token_s(self) -> float:
+        """The seconds a prompt text token takes through the draft model, measured (0: not yet)."""
+        return self.prefill_s / self.prefill_tokens if self.prefill_tokens else 0.0
+
+    def remembered(self, prefix: DraftPrefix) -> DraftRows | None:
+        """A stored prefix's KV of its text (None: it has none), at the positions it ends with."""
+        kv = prefix.rows(len(self.text.model.layers))
+        if kv is not None:
+            kv.position = mx.array([kv.size], dtype=mx.int32)  # its own: text positions, not the target's
+        return kv
+
+    def enter(self, prompts: list[mx.array], firsts: list[list[int]], kvs: list[DraftRows | None],
+              on: list[bool]) -> ModelRows:
+        """Prompts' rows (``prompts``: their token ids ``[1, L]``; ``kvs``: their text's KV so far), in order: a
+        row per first token (``n`` > 1 forks copy a prompt's KV). Each prompt that drafts (``on``) has its text
+        through the draft model, then each row its first token (its input: a row drafts from its input's
+        output, its seed); an off prompt's rows start from their first token alone."""
         parts = []
-        for input_ids in prompts:
-            text = [t for t in cast(list[int], input_ids[0].tolist()) if t not in self.media]
-            kv = DraftRows.start(len(self.text.model.layers), 1, 0)
-            for start in range(0, len(text), PREFILL_CHUNK):
-                self._forward(kv, mx.array([text[start:start + PREFILL_CHUNK]], dtype=mx.int32), None)
-                mx.eval(kv.arrays())
-            kv.seed = None  # a prompt's last output: its first token's replaces it
-            parts.append(ModelRows(kv, mx.zeros((1, 0), dtype=mx.int32), [0], [True]))
+        for input_ids, kv, drafts in zip(prompts, kvs, on):
+            kv = self.prefill(kv, input_ids, input_ids.shape[1]) if drafts else \
+                DraftRows.start(len(self.text.model.layers), 1, 0)
+            parts.append(ModelRows(kv, mx.zeros((1, 0), dtype=mx.int32), [0], [True], [drafts]))
         rows = ModelRows.merge([p for p, tokens in zip(parts, firsts) for _ in tokens])
         self._forward(rows.kv, mx.array([t for tokens in firsts for t in tokens], dtype=mx.int32)[:, None], None)
         mx.eval(rows.arrays())

@@ -1,9 +1,10 @@
 """[worker] A drafter's own state of a stored prefix, kept beside the target's KV (issue 58: drafters that remember).
 
 A prefix store keeps a prompt's KV as a list of cache layers; with a drafter that keeps a KV of its own
-(Qwen3.5's MTP, DFlash), one more "layer" ends the list: ``DraftPrefix``, the drafter's entries for the
-prefix's positions. DFlash's context at a position depends on the target's states there only: every
-position of the prefix is kept. The MTP drafter's entry pairs a position with the token after it, which
+(Qwen3.5's MTP, DFlash, a draft model), one more "layer" ends the list: ``DraftPrefix``, the drafter's
+entries for the prefix's positions. DFlash's context at a position depends on the target's states there
+only: every position of the prefix is kept. A draft model's entries are those of the prefix's text (its
+media placeholders are not the draft model's to see): fewer than ``end``, at positions of its own. The MTP drafter's entry pairs a position with the token after it, which
 for the prefix's last position is the next prompt's own (a later turn parts from this one right there):
 that position's hidden state is kept instead, and waits, as a prompt's last position waits for its
 first token. It travels wherever the list does: the memory stores (copied on reuse), eviction to the
@@ -72,8 +73,11 @@ class DraftPrefix:
     def trim(self, n: int) -> int:
         """The last ``n`` positions cut off (a longer stored prompt serving a shorter one); returns ``n``. A waiting
         position's state is the old last one's: dropped, so the new last position has no entry (a gap in the
-        drafter's context; the drafts are still verified). Only a family whose caches trim gets here (Gemma 4's,
-        with an EAGLE-3 drafter), never Qwen3.5's."""
+        drafter's context; the drafts are still verified): the target's hidden state there is in no stored
+        entry (the MTP's pairs it with the old next token), and keeping every position's would cost a hidden
+        state per position for a rare hit. Only a family whose caches trim gets here (Gemma 4's with an EAGLE-3
+        drafter, or a draft model's target), never Qwen3.5's. A draft model's text entries are cut ``n`` too,
+        which may be more than the text among those positions: its prefill reads the rest again."""
         if self.end:
             keep = max(0, (self.keys[0].shape[2] if self.keys else 0) - n)
             self.keys, self.values = [k[..., :keep, :] for k in self.keys], [v[..., :keep, :] for v in self.values]

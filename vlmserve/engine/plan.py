@@ -44,6 +44,7 @@ class NewRequest:
     params: SamplingParams
     num_cached: int = 0
     forks: tuple[tuple[str, SamplingParams], ...] = ()  # n > 1: rows forked from it when its prefill ends
+    drafts: bool = True  # a draft model drafts for its rows (False: its prefill would not pay, DraftPolicy)
 
 
 @dataclass(slots=True, frozen=True)

@@ -157,6 +157,7 @@ class Request:
     unread: bool = False  # its newest token is still computing (pipelined decode): not in output_token_ids yet
     acceptance: Acceptance = field(default_factory=Acceptance)  # its drafts so far (speculative decoding)
     drafts_from_prediction: bool = False  # the draft planned last came from its prediction
+    modelled: bool = True  # a drafter model may draft for it (a draft model only where its prefill pays)
 
     @property
     def prediction_usage(self) -> tuple[int, int]:

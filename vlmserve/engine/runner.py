@@ -69,6 +69,7 @@ class PromptRow:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: each position's so far
     forks: dict[str, SamplingParams] = field(default_factory=dict)  # n > 1: rows copied from it at its end
     draft: DraftRows | None = None  # a drafter with a KV of its own: the prompt's positions in it so far
+    drafts: bool = True  # a draft model drafts for it (NewRequest.drafts)
 
 
 class Rank(Protocol):
@@ -181,9 +182,11 @@ class ModelRunner:
         prefix = self.caches.take_prefix(new.request_id) if new.num_cached else None
         remembered = prefix.pop() if prefix is not None and isinstance(prefix[-1], DraftPrefix) else None
         cache = prefix if prefix is not None else self.adapter.make_cache()
-        row = self.prompts[new.request_id] = PromptRow(new.prompt, new.params, input_ids, cache, forks=dict(new.forks))
+        row = self.prompts[new.request_id] = PromptRow(new.prompt, new.params, input_ids, cache, forks=dict(new.forks),
+                                                       drafts=new.drafts)
         if remembered is not None and remembered.end == new.num_cached:  # the drafter's state of the same positions
-            row.draft = remembered.rows(len(self._mtp().model.layers))
+            row.draft = self.drafter.remembered(remembered) if isinstance(self.drafter, DraftModel) else \
+                remembered.rows(len(self._mtp().model.layers))
         if new.params.prompt_logprobs is not None:
             assert not new.num_cached, "a scored prompt reuses no KV"
             row.prompt_logprobs = [None]  # the first token has nothing before it
@@ -314,8 +317,7 @@ class ModelRunner:
         rows = 1 + len(forks)  # n > 1: the prompt's KV and state copied into a row per fork
         row_state = {k: mx.concatenate([v] * rows) if rows > 1 else v for k, v in embedded.row_state.items()}
         inputs = self._inputs(firsts, rows)
-        draft = self._mtp().first([row.draft], [inputs]) if row.draft is not None else \
-            self._enter_draft([row], [inputs])
+        draft = self._enter_draft([row], [inputs])
         join = partial(self._join, ids, [merge_rows(c, rows) for c in row.cache], row_state, sampling, inputs, draft)
         if chunk.hold:  # the row waits out of the decode batch until a plan joins it
             self.prompts.pop(chunk.request_id, None)
@@ -381,15 +383,18 @@ class ModelRunner:
             if chunk.store_prefix:  # a row of the batch serves a later prompt as if it had been alone
                 self._store(rows[i], [c.extract(request_ids.index(chunk.request_id)) for c in cache])
         inputs = self._inputs(firsts, len(rows))
-        draft: DraftRows | ModelRows | None = self._enter_draft(rows, [[t] for t in inputs])
-        if states:
-            draft = self._mtp().first([cast(DraftRows, r.draft) for r in rows], [[t] for t in inputs])
+        draft = self._enter_draft(rows, [[t] for t in inputs])
         self._join(request_ids, cache, row_state, sampling, inputs, draft)
 
     def _store(self, row: PromptRow, cache: list[Any], end: int | None = None, hidden: mx.array | None = None) -> None:
         """Keep the prompt's first ``end`` positions (None: all) in its prefix store, with the MTP drafter's
-        or DFlash drafter's state of them (``hidden``: the target's at ``end - 1``, inside the prompt)."""
-        if isinstance(self.drafter, (MtpDrafter, DFlashDrafter)):
+        or DFlash drafter's state of them (``hidden``: the target's at ``end - 1``, inside the prompt), or a draft
+        model's KV of their text (put through it now; none for a row it does not draft for)."""
+        if isinstance(self.drafter, DraftModel):
+            if row.drafts:
+                row.draft = self.drafter.prefill(row.draft, row.input_ids, end or row.input_ids.shape[1])
+            cache = [*cache, DraftPrefix.of(row.draft if row.drafts else None, end or row.input_ids.shape[1], False, None)]
+        elif isinstance(self.drafter, (MtpDrafter, DFlashDrafter)):
             waits = isinstance(self.drafter, MtpDrafter)  # its pairs need the next token
             cache = [*cache, DraftPrefix.of(row.draft, end or row.input_ids.shape[1], waits, hidden)]
         self.caches.store_prefix(row.prompt, cache, end, row.params.cache_ttl_s)
@@ -407,10 +412,15 @@ class ModelRunner:
         finally:
             self.adapter.hidden_sink = None  # read or not, the forwards after these record nothing
 
-    def _enter_draft(self, rows: list[PromptRow], inputs: list[list[int]]) -> ModelRows | None:
-        """A draft model's rows for prompts joining the batch (``inputs``: each one's first tokens); None for
-        any other drafter."""
-        return self.drafter.enter([r.input_ids for r in rows], inputs) if isinstance(self.drafter, DraftModel) else None
+    def _enter_draft(self, rows: list[PromptRow], inputs: list[list[int]]) -> DraftRows | ModelRows | None:
+        """The drafter's rows for prompts joining the batch (``inputs``: each one's first tokens): a draft model's,
+        or the MTP's or DFlash's from the prompts' states; None for a drafter without a KV of its own."""
+        if isinstance(self.drafter, DraftModel):
+            return self.drafter.enter([r.input_ids for r in rows], inputs, [r.draft for r in rows],
+                                      [r.drafts for r in rows])
+        if any(r.draft is not None for r in rows):
+            return self._mtp().first([cast(DraftRows, r.draft) for r in rows], inputs)
+        return None
 
     def _mtp(self) -> MtpDrafter | DFlashDrafter:
         """The drafter with a KV of its own (the MTP's or DFlash's; the same calls)."""

@@ -263,7 +263,7 @@ class Scheduler:
         if config is None:
             return []
         if config.drafter:
-            return k - req.unread
+            return k - req.unread if req.modelled else []
         known = [*req.prompt.input_ids, *req.output_token_ids]
         return lookup(known, k, config.prompt_lookup_min, config.prompt_lookup_max)
 
@@ -323,7 +323,19 @@ class Scheduler:
         if cached and req.text_tail is not None and cached >= req.text_tail:
             req.chunkable = True  # what is left is causal text (Gemma's new turn): it goes by tokens
         forks = tuple((f.request_id, f.params) for f in req.forks)
-        return NewRequest(req.request_id, req.prompt, req.params, cached, forks)
+        req.modelled = self._pays_prefill(req, cached)
+        for fork in req.forks:
+            fork.modelled = req.modelled
+        return NewRequest(req.request_id, req.prompt, req.params, cached, forks, req.modelled)
+
+    def _pays_prefill(self, req: Request, cached: int) -> bool:
+        """Whether a draft model is to draft for ``req``: the prompt tokens it would prefill (those no prefix
+        holds) can pay back over the tokens ``req`` may make (engine/speculative.py)."""
+        spec = self.config.speculative
+        if self.drafts is None or spec is None or spec.method != "draft_model":
+            return True
+        room = min(req.params.max_tokens, req.max_context - req.num_prompt_tokens)
+        return self.drafts.pays_prefill(req.num_prompt_tokens - cached, room)
 
     def _may_reuse(self, req: Request) -> bool:
         """May a cached prefix serve ``req``? The caches say which and how much (a prompt with images: the

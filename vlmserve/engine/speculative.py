@@ -193,6 +193,9 @@ class DraftPolicy:
     tokens' time (every row goes the same width: ragged drafts are padded), plus a drafter model's ``w``
     tokens for each row it drafts for. A row with a draft of ``k``
     tokens yields ``expected_tokens(rate, min(k, w))``; a row without one yields 1.
+
+    A draft model also reads each prompt first (its text through the draft model, a cost no other drafter
+    has): ``pays_prefill`` lets a row draft with it only where that prefill can pay back.
     """
 
     config: SpeculativeConfig
@@ -200,12 +203,27 @@ class DraftPolicy:
     decode_step_s: float = 0.0
     sync_step_s: float = 0.0
     draft_token_s: float = 0.0  # a drafter model's, per token it proposes
+    draft_prefill_token_s: float = 0.0  # a draft model's, per prompt token it reads
 
     def measured(self, costs: StepCosts) -> None:
         """Take the engine's measured costs."""
         self.prompt_token_s, self.decode_step_s = costs.prompt_token_s, costs.decode_step_s
         self.sync_step_s = max(costs.sync_step_s, costs.decode_step_s)
-        self.draft_token_s = costs.draft_token_s
+        self.draft_token_s, self.draft_prefill_token_s = costs.draft_token_s, costs.draft_prefill_token_s
+
+    def pays_prefill(self, prompt: int, room: int) -> bool:
+        """Whether a row's draft-model prefill of ``prompt`` tokens can pay back over the ``room`` tokens it
+        may make. A new row drafts at the prior acceptance (where ``width`` starts it): drafting is expected
+        to save, per token, a decode step less the best verify's share; less over ``room`` than the prefill
+        costs (a long prompt with a short answer, or costs at which no draft pays), and the row does not
+        draft. Unmeasured costs, or forced drafts: it does."""
+        if not self.config.adaptive or self.draft_prefill_token_s <= 0 or self.decode_step_s <= 0:
+            return True
+        proposed = max(self.draft_token_s, self.draft_prefill_token_s)  # one it proposes costs one it reads, at least
+        synced, rate = max(self.sync_step_s, self.decode_step_s), PRIOR_ACCEPTED / PRIOR_DRAFTED
+        per_token = min((synced + w * (self.prompt_token_s + proposed)) / expected_tokens(rate, w)
+                        for w in range(1, self.config.num_speculative_tokens + 1))
+        return room * (self.decode_step_s - per_token) > prompt * self.draft_prefill_token_s
 
     def width(self, rates: Sequence[float], drafts: Sequence[int], rows: int, modelled: int = 0) -> int:
         """The step's draft width for the ``rows`` decoding rows, of which the drafted ones have
