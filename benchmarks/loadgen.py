@@ -159,7 +159,8 @@ def _on_chunk(chunk: dict[str, Any], result: RequestResult) -> None:
         result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("tool_calls"):
+        # a token that completes no character still carries its logprob where they were asked
+        if delta.get("content") or delta.get("tool_calls") or (choice.get("logprobs") or {}).get("content"):
             if result.ttft is None:
                 result.ttft = now
             result.chunk_times.append(now)

@@ -4,7 +4,7 @@ what does each server give at c=8 under mixed traffic?
 vlmserve, mlx_vlm.server and vllm-mlx, one at a time, on the same models.
 
     python benchmarks/stall_bench.py [--arch gemma4,qwen2_5_vl,smolvlm_real] [--dtype bfloat16] [--runs 2]
-        [--servers vlmserve,base,mlx_vlm,vllm_mlx] [--base CHECKOUT ...] [--quick] [--out DIR]
+        [--servers vlmserve,base,mlx_vlm,vllm_mlx] [--base CHECKOUT ...] [--max-batch N] [--quick] [--out DIR]
     python benchmarks/stall_bench.py --readme [DIR ...]     # results (their runs side by side) into the README
 
 The default grid is issue 46's: the small gemma4 and qwen2_5_vl in bfloat16, and ``smolvlm_real``, the
@@ -29,7 +29,9 @@ each. The stream is closed when the last of them ends. Measured:
 - the **stall ratio**: the stream's longest gap between chunks over its median gap, both over the gaps
   that end during the burst (from when the images were sent until the last one ended): a bigger batch
   makes every step longer; one step far longer than the others is a freeze;
-- the longest gap, the image prompts' TTFT p50, p90 and max, and how many of them got their first token
+- per token: the stream asks for logprobs, so a token that completes no character (a byte token) is a chunk too;
+- the longest gap, the image prompts' TTFT p50, p90 and max, the last image's whole answer (``last_done_s``:
+  when the last of them ended), and how many of them got their first token
   while the stream still ran (a server that holds them until the stream ends never freezes it);
 - vlmserve's own ``/metrics`` series (``vlmserve_*``, histograms as sum and count) after each burst.
 vllm-mlx runs from its own venv (``--vllm-mlx``; ``pip install vllm-mlx==0.6.0 "mlx[cpu]"``). ``--base
@@ -69,10 +71,11 @@ from loadgen import (
 from serve_bench import Bench, BenchConfig
 from stall_report import PLOT, REAL, heading, merge, plot, render, write_readme
 
+from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.progress import progress
 
 HERE = Path(__file__).resolve().parent
-MAX_BATCH, IMAGES, IMAGE_TOKENS, IMAGE_SIZE = 16, 8, 48, 224
+IMAGES, IMAGE_TOKENS, IMAGE_SIZE = 8, 48, 224
 STREAM_TOKENS = 2000  # outlasts every burst here many times over; vllm-mlx holds the images until it ends
 STEADY_CHUNKS = 12  # the stream's chunks before the images are sent
 # One request's and one mixed run's limit: vllm-mlx's images wait for the whole stream, 2000 tokens of the
@@ -81,9 +84,11 @@ TIMEOUT_S = 1500
 VLLM_MLX = HERE / "results" / "venvs" / "vllm-mlx"
 
 
-def specs(model: Path, port: int, vllm_mlx: Path, bases: list[Path]) -> dict[str, ServerSpec]:
+def specs(model: Path, port: int, vllm_mlx: Path, bases: list[Path], max_batch: int) -> dict[str, ServerSpec]:
     """Every server this run may start, by name; a base checkout's name is ``base:PATH``."""
-    vlmserve, mlx_vlm = server_specs(model, port, MAX_BATCH)
+    vlmserve, mlx_vlm = server_specs(model, port, max(max_batch, 1))
+    if max_batch <= 0:  # each server's own default: vlmserve's (a checkout's own), mlx_vlm.server's unbounded
+        vlmserve, mlx_vlm = _without(vlmserve, "--max-batch-size"), _without(mlx_vlm, "--max-num-seqs")
     # -P: ``python -m`` would put the working directory (this checkout) ahead of PYTHONPATH.
     vlmserve = replace(vlmserve, argv=[vlmserve.argv[0], "-P", *vlmserve.argv[1:]])
     out = {"vlmserve": vlmserve, "mlx_vlm": replace(mlx_vlm, label="mlx_vlm.server"),
@@ -93,6 +98,12 @@ def specs(model: Path, port: int, vllm_mlx: Path, bases: list[Path]) -> dict[str
     for base in bases:
         out[f"base:{base}"] = replace(vlmserve, label=f"vlmserve {commit(base)}")
     return out
+
+
+def _without(spec: ServerSpec, flag: str) -> ServerSpec:
+    """``spec`` without ``flag`` and its value."""
+    i = spec.argv.index(flag)
+    return replace(spec, argv=[*spec.argv[:i], *spec.argv[i + 2:]])
 
 
 def commit(checkout: Path) -> str:
@@ -143,7 +154,10 @@ async def burst(client: httpx.AsyncClient, target: Target, seed: int) -> dict[st
     """The stall scenario: a stream, then fresh image prompts at once."""
     await _warm(client, target, seed)
     stream = RequestResult()
-    task = asyncio.create_task(stream_chat(client, target, messages(prompt_text(12, seed)), STREAM_TOKENS,
+    # logprobs: every token is a chunk, also one that completes no character (a byte token), so the gaps are
+    # per token (a server that ignores the field sends what it sends)
+    per_token = replace(target, extra_body={**target.extra_body, "logprobs": True})
+    task = asyncio.create_task(stream_chat(client, per_token, messages(prompt_text(12, seed)), STREAM_TOKENS,
                                            "stream", result=stream))
     while len(stream.chunk_times) < STEADY_CHUNKS and not task.done():
         await asyncio.sleep(0.01)
@@ -194,7 +208,8 @@ def measure(stream: RequestResult, shots: list[RequestResult]) -> dict[str, Any]
             "ttft_p90_s": _round(percentile(ttfts, 90)), "ttft_max_s": _round(max(ttfts, default=None)),
             "images_with_stream": f"{alongside}/{len(shots)}",
             "images_short": sum(s.ok and s.completion_tokens < IMAGE_TOKENS for s in shots),  # ended before max_tokens
-            "burst_s": round(end - start, 2), "stream_end_s": round(times[-1] - start, 2),
+            "burst_s": round(end - start, 2), "last_done_s": round(end - start, 2),
+            "last_first_s": _round(max(ttfts, default=None)), "stream_end_s": round(times[-1] - start, 2),
             "images_failed": [s.error for s in shots if not s.ok][:3], "stream_error": stream.error,
             "gaps": [(round(t, 3), round(g * 1000, 1)) for t, g in gaps]}
 
@@ -242,12 +257,14 @@ def run_cell(arch: str, dtype: str, args: argparse.Namespace, bar: Any) -> dict[
     """One model in one dtype, every chosen server in turn."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", VLMSERVE_NO_OPENBLAS="1")
     model = cell_model(arch, dtype, env)
-    chosen, load_at_start, servers = specs(model, free_port(), args.vllm_mlx, args.base), os.getloadavg()[0], []
+    chosen = specs(model, free_port(), args.vllm_mlx, args.base, args.max_batch)
+    load_at_start, servers = os.getloadavg()[0], []
     for name in server_names(args):
         bar.set_postfix_str(f"{arch} {dtype} {chosen[name].label}")
         servers.append(one_server(chosen[name], name, model, env, args, f"{arch}-{dtype}"))
         bar.update()
     return {"arch": arch, "dtype": dtype, "model": str(model), "loadavg_1m_at_start": round(load_at_start, 2),
+            "loadavg_1m_at_end": round(os.getloadavg()[0], 2), "max_batch": args.max_batch,
             "machine": machine(env), "servers": servers}
 
 
@@ -285,6 +302,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="a vlmserve checkout served as 'base' (PYTHONPATH); repeatable")
     parser.add_argument("--vllm-mlx", type=Path, default=VLLM_MLX, help="the venv vllm-mlx is installed in")
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--max-batch", type=int, default=0,
+                        help="every server's batch cap; 0 (default): each its own (vlmserve's "
+                             f"{EngineConfig().max_batch_size} below its KV budget, a --base checkout's own, "
+                             "mlx_vlm.server's unbounded)")
     parser.add_argument("--quick", action="store_true", help="the first model and dtype only, one run")
     parser.add_argument("--out", type=Path, default=None, help="default results/stall (results/stall-quick)")
     parser.add_argument("--readme", type=Path, nargs="*", default=None, metavar="DIR",

@@ -16,7 +16,7 @@ SECTION = ("<!-- stall_bench:start -->", "<!-- stall_bench:end -->")
 REAL = "smolvlm_real"  # the real-weights SmolVLM cell (real_weights.py)
 PEER = "mlx_vlm.server"  # what the ratios divide by
 STALL_KEYS = ("stall_ratio", "longest_gap_ms", "median_gap_ms", "ttft_p50_s", "ttft_p90_s", "ttft_max_s",
-              "images_with_stream")
+              "last_done_s", "images_with_stream")
 
 
 def _mixed(run: dict[str, Any], key: str) -> Any:
@@ -42,6 +42,7 @@ def _c8_ttft_p90_s(run: dict[str, Any]) -> float | None:
 # One number per run; the ratio columns divide a server's by mlx_vlm.server's of the same run.
 MEASURES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "image TTFT p50": lambda r: r.get("ttft_p50_s"), "image TTFT max": lambda r: r.get("ttft_max_s"),
+    "last image done": lambda r: r.get("last_done_s"),
     "c=8 tok/s": lambda r: _mixed(r, "tok_s"), "c=8 TTFT p90": _c8_ttft_p90_s,
 }
 
@@ -68,7 +69,7 @@ def _per_run(values: list[Any]) -> str:
 
 def stall_table(summary: dict[str, Any]) -> str:
     header = ["model", "server", "stall ratio", "longest gap ms", "median gap ms", "image TTFT p50 s",
-              "image TTFT p90 s", "image TTFT max s", "images started while the stream ran"]
+              "image TTFT p90 s", "image TTFT max s", "last image done s", "images started while the stream ran"]
     rows = []
     for cell in summary["cells"]:
         for s in cell["servers"]:

@@ -77,11 +77,11 @@ def test_each_choice_parses_its_own_tool_call(demo_client):
 
 def test_too_many_choices_is_a_400(client, model_name):
     try:
-        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], n=9)
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], n=257)
     except openai.BadRequestError as exc:
-        assert exc.body["param"] == "n" and "takes 1 to 8" in exc.body["message"]
+        assert exc.body["param"] == "n" and "takes 1 to 256" in exc.body["message"]
     else:
-        raise AssertionError("n=9 was taken")
+        raise AssertionError("n=257 was taken")
 
 
 def test_a_client_that_leaves_mid_stream_frees_every_choices_slot(server, model_name):

@@ -158,3 +158,75 @@ def test_slow_phase1_never_delays_other_requests(gemma4_micro):
 
 async def _drain(agen):
     return [out async for out in agen]
+
+
+def _spy_plans(engine) -> list[dict]:
+    """On the worker: each step's plan, the prompt-token budget it was planned under, the rows admitted
+    and the KV they reserve (read once the engine has gone quiet)."""
+    core = engine.core
+    plans: list[dict] = []
+    real = core.scheduler.schedule
+
+    def schedule():
+        plan = real()
+        plans.append({"plan": plan, "budget": core.scheduler.stream_tokens, "running": len(core.scheduler.running),
+                      "reserved": core.scheduler.kv_reserved_bytes})
+        return plan
+
+    core.scheduler.schedule = schedule
+    return plans
+
+
+QUESTIONS = [f"question {i}: what comes after {i * 7}?" for i in range(47)]
+ROWS = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def test_forty_eight_rows_decode_together_exact_none_starved_within_the_step_bound(gemma4_micro):
+    """With no fixed cap (the default is vLLM's 256) a stream and a 47-prompt burst share one batch: every
+    answer is greedy-alone's token for token, every admitted row decodes in every step from its join to
+    its end, and while the stream decodes each step's prompt work stays within the budget it was planned
+    under (the burst came after the stream's first token)."""
+
+    async def scenario():
+        async with running_engine(gemma4_micro, prefix_cache=False) as engine:
+            alone = [await collect(engine, f"a{i}", q, [], ROWS) for i, q in enumerate(QUESTIONS)]
+            plans = _spy_plans(engine)
+            stream = asyncio.create_task(collect(engine, "stream", "tell a story", [], SamplingParams(max_tokens=120, ignore_eos=True)))
+            await _wait_steps(engine, 3)
+            together = await asyncio.gather(*[collect(engine, f"b{i}", q, [], ROWS) for i, q in enumerate(QUESTIONS)])
+            await stream
+            return alone, together, plans
+
+    alone, together, plans = asyncio.run(scenario())
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert max(len(p["plan"].decode) for p in plans) >= 40
+    steps = [p["plan"] for p in plans]
+    for rid in [f"b{i}" for i in range(len(QUESTIONS))]:
+        decoding = [i for i, plan in enumerate(steps) if rid in plan.decode]
+        assert decoding == list(range(decoding[0], decoding[-1] + 1)), f"{rid} skipped a step"
+    bounded = [p for p in plans if "stream" in p["plan"].decode]
+    assert all(sum(c.num_tokens for c in p["plan"].prefill) <= p["budget"] for p in bounded)
+
+
+def test_a_request_the_kv_budget_cannot_hold_yet_waits_and_runs_when_memory_frees(gemma4_micro):
+    """A KV budget of four rows and twelve requests at once: the batch never reserves more than the budget,
+    the rest wait (none fails) and are admitted as rows finish, and every answer is greedy-alone's."""
+
+    async def scenario():
+        async with running_engine(gemma4_micro, prefix_cache=False) as engine:
+            alone = [await collect(engine, f"a{i}", q, [], ROWS) for i, q in enumerate(QUESTIONS[:12])]
+            need = max(r.num_prompt_tokens for r in alone) + ROWS.max_tokens
+            limit = 4 * engine.kv.footprint.row_bytes(need)
+        async with running_engine(gemma4_micro, prefix_cache=False, kv_cache_bytes=limit) as engine:
+            plans = _spy_plans(engine)
+            together = await asyncio.gather(*[collect(engine, f"b{i}", q, [], ROWS) for i, q in enumerate(QUESTIONS[:12])])
+            return alone, together, plans, limit
+
+    alone, together, plans, limit = asyncio.run(scenario())
+    assert [r.error for r in together] == [None] * 12
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert all(p["reserved"] <= limit for p in plans)
+    assert 4 <= max(p["running"] for p in plans) < 12  # bounded by memory, not by the cap
+    admitted = {n.request_id: i for i, p in enumerate(plans) for n in p["plan"].new}
+    finished = {rid: i for i, p in enumerate(plans) for rid in p["plan"].finished}
+    assert any(admitted[rid] >= min(finished.values()) for rid in admitted)  # some were admitted as rows freed

@@ -60,6 +60,9 @@ class FakeCaches:
                 return n
         return 0
 
+    def drop_prefix(self, request_id: str) -> None:
+        self.reserved.pop(request_id, None)
+
     def uncached_images(self, prompt: PromptInputs) -> tuple[int, int]:
         """Images to encode, and their pixel values: here 3 per image."""
         n = sum(item.key not in self.images for item in prompt.images) if prompt.images else prompt.num_images
@@ -176,6 +179,21 @@ def test_an_unsplittable_prompt_after_a_reused_prefix_goes_whole():
     s = _scheduler(req, budget=16, num_layers=4, caches=FakeCaches({tuple(range(40)): "kv"}))
     plan, _ = _step(s)
     assert _chunks(plan) == {"r": (40, 100, 0, None)}
+
+
+def test_an_unsplittable_prompt_gives_up_a_prefix_shorter_than_a_steps_floor_to_go_by_layers():
+    """A chat template's opening before an image (8 tokens) is computed again while a stream decodes: kept,
+    it would leave the rest to run whole in one step. With nothing decoding it is kept."""
+    caches = FakeCaches({tuple(range(8)): "kv"})
+    s = _scheduler(budget=512, stream_prefill_chunk=16, num_layers=4, caches=caches)
+    _decoding(s)
+    s.add(req := _req("r", prompt_len=100, chunkable=False))
+    plan, _ = _step(s)
+    assert plan.new[0].num_cached == 0 and caches.reserved == {} and _chunks(plan)["r"] == (0, 100, 0, 1)
+    idle = _scheduler(_req("r", prompt_len=100, chunkable=False), num_layers=4, caches=FakeCaches({tuple(range(8)): "kv"}))
+    plan, _ = _step(idle)
+    assert plan.new[0].num_cached == 8 and _chunks(plan) == {"r": (8, 100, 0, None)}
+    assert req.num_cached_tokens == 0
 
 
 def test_one_prompt_goes_by_layers_at_a_time():

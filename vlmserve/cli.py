@@ -202,7 +202,8 @@ def _http_options(group: Any, serve: ServeConfig, engine: EngineConfig) -> None:
 
 
 def _batching_options(group: Any, serve: ServeConfig, engine: EngineConfig) -> None:
-    group.add_argument("--max-batch-size", type=int, default=engine.max_batch_size, help="requests decoded together")
+    group.add_argument("--max-batch-size", type=int, default=engine.max_batch_size,
+                       help="requests decoded together at most; the KV budget (--kv-cache-gb) bounds the batch below it")
     group.add_argument("--max-num-seqs", type=int, dest="max_batch_size", default=argparse.SUPPRESS,
                        help="vLLM's name for --max-batch-size")
     group.add_argument("--max-queue", type=int, default=engine.max_queue, help="waiting requests beyond the batch before 429")

@@ -14,15 +14,18 @@ DEFAULT_DTYPE = "auto"
 
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
-    max_batch_size: int = 8
+    # Rows decoded together at most, as vLLM's --max-num-seqs: the KV budget (engine/memory.py) is what bounds a
+    # batch; this is an explicit cap on top of it
+    max_batch_size: int = 256
     max_queue: int = 64  # requests waiting beyond the batch before submissions fail fast
     preprocess_threads: int = 4  # phase 1's pool (chat template, tokenizer), shared by a server's models
     image_threads: int = 2  # phase 1's image lane: requests with images, decoded and preprocessed apart from text
     prefill_chunk: int = 512  # prompt tokens per step (a prompt split by layers: its share of them)
     # While requests decode, a step's prompt work may take this many decode steps' time (engine/costs.py):
     stream_step_share: float = 2.0
-    # ...and more, the longer the oldest prompt has waited, up to this many (the backlog's deadline)
-    stream_step_share_max: float = 4.0
+    # ...and more, the longer the oldest prompt has waited, up to this many (the backlog's deadline): a step is then
+    # 1 + 3 decode steps long, a running row's gaps within 4x (issue 60; where the floor binds, it grows by as much)
+    stream_step_share_max: float = 3.0
     # A prompt that ends while others are in their prompts keeps its row out of the decode batch until they
     # end (its first token goes out at once): engine/scheduler.py's join gate
     join_gate: bool = True

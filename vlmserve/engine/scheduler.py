@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from vlmserve.engine.costs import FLOOR_TOKENS
 from vlmserve.engine.memory import KVBudget
 from vlmserve.engine.params import pixel_count
 from vlmserve.engine.plan import EncodeChunk, NewRequest, PrefillChunk, RunnerOutput, Sample, SchedulerOutput
@@ -72,6 +73,8 @@ class CacheBook(Protocol):
     def reuses(self, prompt: PromptInputs) -> bool: ...  # is its prefix stored (reserve_prefix may find one anyway)
 
     def reserve_prefix(self, request_id: str, prompt: PromptInputs) -> int: ...
+
+    def drop_prefix(self, request_id: str) -> None: ...
 
     def uncached_images(self, prompt: PromptInputs) -> tuple[int, int]: ...
 
@@ -319,6 +322,9 @@ class Scheduler:
         cached = 0
         if self._may_reuse(req) and self.caches is not None:
             cached = self.caches.reserve_prefix(req.request_id, req.prompt)
+            if cached and self._rules_out_layers(req, cached):
+                self.caches.drop_prefix(req.request_id)
+                cached = 0
         req.num_computed_tokens = req.num_cached_tokens = cached
         if cached and req.text_tail is not None and cached >= req.text_tail:
             req.chunkable = True  # what is left is causal text (Gemma's new turn): it goes by tokens
@@ -336,6 +342,18 @@ class Scheduler:
             return True
         room = min(req.params.max_tokens, req.max_context - req.num_prompt_tokens)
         return self.drafts.pays_prefill(req.num_prompt_tokens - cached, room)
+
+    def _rules_out_layers(self, req: Request, cached: int) -> bool:
+        """Whether a reused prefix of ``cached`` tokens costs more than it saves. A prompt that cannot be split
+        by tokens goes by layers only from position 0; after a prefix, the rest runs whole in one step however
+        long, and the streams decoding freeze for it. A prefix within a step's prompt floor (a chat template's
+        opening before an image) is cheaper to compute again than that step, where a stream decodes and the
+        rest is over its step's budget."""
+        causal_rest = req.text_tail is not None and cached >= req.text_tail  # then it goes by tokens
+        decoding = any(r.prefill_done for r in self.running if r is not req)
+        over = req.num_prompt_tokens - cached > min(self.stream_tokens, self.config.prefill_chunk)
+        return not req.chunkable and not causal_rest and self.config.num_layers > 1 and cached <= FLOOR_TOKENS \
+            and decoding and over
 
     def _may_reuse(self, req: Request) -> bool:
         """May a cached prefix serve ``req``? The caches say which and how much (a prompt with images: the
