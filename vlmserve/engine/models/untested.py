@@ -18,7 +18,7 @@ from vlmserve.engine.models.base import ModelAdapter
 from vlmserve.inputs import PromptInputs
 from vlmserve.preprocess.image_sizes import ProcessorLimit
 
-# What start-up says is off for an untested family, and why (the README's table says the same).
+# What start-up says is off for an untested family, and why (docs/families.md's table says the same).
 UNTESTED_OFF = (
     "prompts prefill whole, alone (no chunks or layer pieces, no batched prefill)",
     "the prefix, vision and image-prefix caches are off",

@@ -181,7 +181,7 @@ def json_cases(n: int, seed: int = 0) -> list[Case]:
     With a picture: asked in words ("Describe the picture as JSON.") with and without
     ``response_format`` (the scene schema, strings unbounded), and cued only by
     ``response_format`` ("Describe this image."): right when the object equals the scene's.
-    Without one: "Describe one shape." under the README's one-shape schema (plain strings):
+    Without one: "Describe one shape." under the docs' one-shape schema (plain strings):
     right when it parses and names a shape and a colour the model knows."""
     rng = np.random.default_rng([seed, 3571])
     cases = []

@@ -10,7 +10,7 @@ Given a schema instead (in the system text, or only through ``response_format``'
 forces ``{"`` and the keys and leaves the values to the model), it fills the schema's fields from
 the same scene: ``shape``/``kind``/``type`` and ``colour``/``color`` name the first shape,
 ``count``/``number`` count them, ``caption``/``description``/``text``/``answer``/``summary`` hold the
-caption, ``shapes`` lists them. Without a picture it describes a shape it imagines (the README's
+caption, ``shapes`` lists them. Without a picture it describes a shape it imagines (the docs'
 "Describe one shape." asks for one). Every value is short and every string is closed, so a
 grammar with unbounded ``str`` fields still ends.
 
@@ -51,7 +51,7 @@ SCENE_SCHEMA: dict[str, Any] = {
     "properties": {"count": {"type": "integer"}, "shapes": {"type": "array", "items": SHAPE_ITEM}, "caption": {"type": "string"}},
     "required": ["count", "shapes", "caption"],
 }
-# the README's structured-output example: one shape, plain strings
+# the docs' structured-output example (docs/structured-output-and-tools.md): one shape, plain strings
 SHAPE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {"shape": {"type": "string"}, "colour": {"type": "string"}},
