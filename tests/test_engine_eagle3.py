@@ -189,7 +189,7 @@ def test_a_reused_prefix_brings_the_drafters_state_from_memory_and_from_disk(
             if not restart:
                 first, second = _turn_two(family, "remember", TEXT, [])
                 family.run(_result(family, "first", first, GREEDY))
-            result, record, _ = _turn(family, "warm", second)
+            result, record, _, _ = _turn(family, "warm", second)
             _check(family, [second], [ASKED], [result])
             disk = family.run(family.engine.stats()).disk
         finally:
