@@ -104,7 +104,7 @@ def test_a_dying_stepper_fails_pending_work():
     w = MLXWorkerThread(name="test-dies")
     w.start()
     w.set_stepper(Broken())
-    w._thread.join(10)
+    assert w.join(10)
     assert not w.alive
     with pytest.raises(WorkerDiedError, match="step exploded"):
         w.submit(lambda: None).result(timeout=1)

@@ -33,6 +33,7 @@ from vlmserve.api.schemas import ChatCompletionRequest
 from vlmserve.api.state import ServedModel, ServerState
 from vlmserve.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from vlmserve.api.transcriptions import create_transcription
+from vlmserve.engine import worker_pool
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ async def stop_engines(state: ServerState, message: str) -> None:
         load.cancel()
     await asyncio.gather(*loads, return_exceptions=True)
     await asyncio.gather(*(m.engine.shutdown(message) for m in state.models), return_exceptions=True)
+    # the threads that swapped models parked with their streams: end them before the process does
+    await asyncio.get_running_loop().run_in_executor(None, worker_pool.end_parked)
 
 
 def _routes(app: FastAPI, state: ServerState) -> None:

@@ -4,6 +4,9 @@ MLX streams are thread-local: an array built lazily on one thread and evaluated 
 another fails with ``There is no Stream(cpu, N) in current thread``. So each engine
 owns one persistent thread. It makes its stream once, at start, before any task, then
 runs submitted callables in order and, between them, the engine's step.
+
+The native thread (with its stream) is a ``worker_pool.Carrier``: when an engine stops cleanly, its thread
+parks and the next engine's worker takes it (MLX leaks a native thread per Python thread that evaluates).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
+
+from vlmserve.engine import worker_pool
+from vlmserve.engine.worker_pool import Carrier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,8 +59,9 @@ _WAKE = object()
 class MLXWorkerThread:
     """One persistent thread with its own MLX stream; runs callables in submission order.
 
-    ``submit`` may be called from any thread and returns a ``concurrent.futures.Future``;
-    ``run`` awaits the result from asyncio without blocking the event loop. Exceptions
+    The thread is a parked one where there is one (``start``), else a new one; either way its stream was
+    made once, when that thread started. ``submit`` may be called from any thread and returns a
+    ``concurrent.futures.Future``; ``run`` awaits the result from asyncio without blocking the event loop. Exceptions
     raised by a task reach its caller and the worker goes on serving.
     """
 
@@ -62,8 +69,9 @@ class MLXWorkerThread:
         self.name = name
         self._device = device
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._started = threading.Event()
+        self._carrier: Carrier | None = None  # the thread serving this worker, from ``start``
+        self._done = threading.Event()  # this worker stopped serving: its thread parked or ended
+        self._reusable = True  # False once its engine faulted: the thread ends with it
         self._lock = threading.Lock()  # orders submit() against shutdown()
         self._closed = False
         self._stepper: Stepper | None = None
@@ -75,19 +83,27 @@ class MLXWorkerThread:
     # -- any thread ---------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
-        self._started.wait()
+        carrier = worker_pool.take(self._device)
+        if carrier is None:
+            carrier = Carrier(self._device)
+            if not carrier.start():
+                self.error, self._closed = carrier.error, True
+                self._done.set()
+                return
+        self._carrier, self.stream = carrier, carrier.stream
+        carrier.serve(self)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._closed
+        return self._carrier is not None and self._carrier.thread.is_alive() and not self._closed
 
     @property
     def ident(self) -> int | None:
-        return self._thread.ident
+        return self._carrier.thread.ident if self._carrier is not None else None
 
     def on_worker(self) -> bool:
-        return threading.get_ident() == self._thread.ident
+        # once done, the thread may serve another engine: it is no longer this worker
+        return not self._done.is_set() and threading.get_ident() == self.ident
 
     def assert_on_worker(self) -> None:
         """Cheap, always-on check for code that must only run on this worker."""
@@ -123,43 +139,44 @@ class MLXWorkerThread:
         """Make an idle worker look at its stepper again (new requests, aborts)."""
         self._inbox.put(_WAKE)
 
+    def retire(self) -> None:
+        """Its engine faulted (a lost pipeline rank, say): end the thread when this worker stops, never park it."""
+        self._reusable = False
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until this worker stopped serving (its thread parked or ended); False on timeout."""
+        return self._done.wait(timeout)
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stop after the task in hand; fail every pending task; join the thread."""
+        """Stop after the task in hand; fail every pending task; wait until the thread parked or ended."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._inbox.put(_WAKE)
-        if self._thread.is_alive() and not self.on_worker():
-            self._thread.join(timeout)
+        if self._carrier is not None and not self.on_worker():
+            self.join(timeout)
 
     # -- the worker thread --------------------------------------------------------
 
-    def _main(self) -> None:
-        try:
-            device = self._device or mx.default_device()
-            self.stream = mx.new_stream(device)
-            mx.set_default_stream(self.stream)
-        except BaseException as exc:  # noqa: BLE001 - reported through self.error
-            self.error = exc
-            self._closed = True
-            self._started.set()
-            return
-        self._started.set()
+    def serve_here(self) -> bool:
+        """[worker] Serve until shut down; True when it stopped cleanly, so its thread may serve another."""
         try:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - the stepper itself failed
             log.exception("worker %s died", self.name)
             self.error = exc
         finally:
-            with self._lock:
-                self._closed = True
-            self._fail_pending()
-            # Join this thread's MLX streams now: left to process teardown, they abort it.
-            mx.clear_streams()
-            if self.on_exit is not None:
-                self.on_exit(self.error)
-            self._stepper = None  # nothing steps it now; its engine's arrays go with whoever still holds it
+            try:
+                with self._lock:
+                    self._closed = True
+                self._fail_pending()
+                if self.on_exit is not None:
+                    self.on_exit(self.error)
+            finally:
+                self._stepper = None  # nothing steps it now; its engine's arrays go with whoever still holds it
+                self._done.set()
+        return self.error is None and self._reusable
 
     def _loop(self) -> None:
         while True:

@@ -250,6 +250,8 @@ class AsyncEngine:
         self.ready = False
         self.dead_reason = self.dead_reason or reason
         self._fail_streams(self.dead_reason)
+        if fault:
+            self.worker.retire()
         if fault and self.on_dead is not None:
             self.on_dead(self.dead_reason)
 
