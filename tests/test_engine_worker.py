@@ -93,14 +93,17 @@ def test_shutdown_fails_queued_tasks_instead_of_hanging():
         w.submit(lambda: None).result(timeout=1)
 
 
+class Broken:
+    """A stepper whose step raises: its worker dies."""
+
+    def has_work(self) -> bool:
+        return True
+
+    def step(self) -> None:
+        raise RuntimeError("step exploded")
+
+
 def test_a_dying_stepper_fails_pending_work():
-    class Broken:
-        def has_work(self) -> bool:
-            return True
-
-        def step(self) -> None:
-            raise RuntimeError("step exploded")
-
     w = MLXWorkerThread(name="test-dies")
     w.start()
     w.set_stepper(Broken())

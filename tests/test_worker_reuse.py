@@ -17,6 +17,7 @@ import mlx.core as mx
 import pytest
 from conftest import collect
 from server_utils import ServerProcess, start_server
+from test_engine_worker import Broken
 from test_model_dir import model_dir
 
 from vlmserve.engine import worker_pool
@@ -51,13 +52,6 @@ def test_a_stopped_worker_parks_and_the_next_takes_it_but_never_a_live_one() -> 
 
 
 def test_a_worker_that_died_is_never_reused() -> None:
-    class Broken:
-        def has_work(self) -> bool:
-            return True
-
-        def step(self) -> None:
-            raise RuntimeError("step exploded")
-
     w = MLXWorkerThread(name="test-dies")
     w.start()
     carrier = w._carrier
