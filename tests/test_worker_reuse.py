@@ -31,6 +31,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def test_a_stopped_worker_parks_and_the_next_takes_it_but_never_a_live_one() -> None:
+    worker_pool.end_parked()  # the pool is the process's: earlier tests' engines parked theirs
     first = MLXWorkerThread(name="first")
     first.start()
     ident, stream = first.ident, first.stream

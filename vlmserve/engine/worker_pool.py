@@ -78,10 +78,10 @@ _closed = False  # at exit: nothing parks any more
 
 
 def take(device: mx.Device | None) -> Carrier | None:
-    """A parked carrier for ``device`` (None: the default), or None: the caller starts a new one."""
+    """The carrier for ``device`` (None: the default) parked last, or None: the caller starts a new one."""
     with _lock:
-        for i, carrier in enumerate(_parked):
-            if carrier.device == device and carrier.thread.is_alive():
+        for i in reversed(range(len(_parked))):
+            if _parked[i].device == device and _parked[i].thread.is_alive():
                 return _parked.pop(i)
     return None
 
