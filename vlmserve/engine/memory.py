@@ -17,6 +17,7 @@ running requests' reservations never hold more than the budget together.
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -154,11 +155,15 @@ def batch_memory(batch: Any) -> tuple[int, int]:
     return held_bytes(batch.cache), draft
 
 
+_CACHE_LIMIT_READ = threading.Lock()  # two workers reading at once would leave the cap at the probe's value
+
+
 def mlx_memory() -> tuple[int, int, int]:
     """[any] MLX's active bytes, its buffer cache's and that cache's cap: the process's, every stream's.
     MLX has no getter for the cap; setting one returns the one before, which is put straight back."""
-    limit = mx.set_cache_limit(1 << 62)
-    mx.set_cache_limit(limit)
+    with _CACHE_LIMIT_READ:
+        limit = mx.set_cache_limit(1 << 62)
+        mx.set_cache_limit(limit)
     return mx.get_active_memory(), mx.get_cache_memory(), int(limit)
 
 
