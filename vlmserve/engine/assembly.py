@@ -21,7 +21,14 @@ from vlmserve.engine.core import EngineCore
 from vlmserve.engine.drafter import Drafter
 from vlmserve.engine.engine_config import EngineConfig
 from vlmserve.engine.kv_quant import kv_quant_for
-from vlmserve.engine.loader import LoadedModel, ModelLoadError, configure_process, load_drafter, load_model
+from vlmserve.engine.loader import (
+    LoadedModel,
+    ModelLoadError,
+    configure_process,
+    load_drafter,
+    load_model,
+    settle_random_key,
+)
 from vlmserve.engine.models import SUPPORTED_FAMILIES, UNTESTED_OFF
 from vlmserve.engine.pipeline import Stage, load_stage
 from vlmserve.engine.pipeline_runner import Follower, Leader, Watch
@@ -147,12 +154,15 @@ def load_for_serving(spec: str, name: str | None, config: EngineConfig) -> Assem
     serves it. ModelLoadError when it cannot be."""
     configure_process()
     stage = None
-    if config.pipeline:
-        loaded, stage = load_stage(spec, name, config.dtype, config.trust_remote_code)
-    else:
-        loaded = load_model(spec, name, config.dtype, config.trust_remote_code)
-    if config.speculative is not None and config.speculative.drafter:
-        loaded.drafter = load_drafter(config.speculative, loaded, config.pipeline)
+    try:
+        if config.pipeline:
+            loaded, stage = load_stage(spec, name, config.dtype, config.trust_remote_code)
+        else:
+            loaded = load_model(spec, name, config.dtype, config.trust_remote_code)
+        if config.speculative is not None and config.speculative.drafter:
+            loaded.drafter = load_drafter(config.speculative, loaded, config.pipeline)
+    finally:
+        settle_random_key()
     if config.max_model_len:
         loaded.max_context = min(loaded.max_context, config.max_model_len)
     if config.chat_template is not None:  # before the template is inspected and the processor copied
