@@ -27,7 +27,7 @@ class EngineConfig:
     # at most 1 + 5 decode steps long (where the floor binds, it grows by as much). Most of a burst's steps carry prompt
     # work, so a running row's longest gap stayed within 2.3-3.5x its median over a burst of 8 images (issue 60,
     # stall_bench.py), and each burst step a prompt shares with a decode forward is one fewer: against 3, the last
-    # image's answer came 0.4-0.7 s sooner on the small models (1.32x -> 1.11x and 1.12x -> 1.06x of mlx_vlm.server's)
+    # image's answer came 0.2-0.7 s sooner on the small models (1.32x -> 1.11x and 1.12x -> 1.06x of mlx_vlm.server's)
     stream_step_share_max: float = 5.0
     # A prompt that ends while others are in their prompts keeps its row out of the decode batch until they
     # end (its first token goes out at once): engine/scheduler.py's join gate
