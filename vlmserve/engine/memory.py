@@ -156,15 +156,27 @@ def batch_memory(batch: Any) -> tuple[int, int]:
 
 
 _CACHE_LIMIT_READ = threading.Lock()  # two workers reading at once would leave the cap at the probe's value
+_cache_limit: int | None = None
+
+
+def mlx_cache_limit() -> int:
+    """[any] MLX's buffer-cache cap. MLX has no getter for it; setting one returns the one before, which is
+    put straight back. Setting takes the allocator's lock, which an evaluation in flight holds: the call
+    waits for the step being computed. Each step reading it that way undid the pipelining of decode (the
+    next step's graph was built only after the one dispatched before had finished), so the cap is read
+    once per process. Nothing in vlmserve sets it after."""
+    global _cache_limit
+    with _CACHE_LIMIT_READ:
+        if _cache_limit is None:
+            _cache_limit = mx.set_cache_limit(1 << 62)
+            mx.set_cache_limit(_cache_limit)
+        return _cache_limit
 
 
 def mlx_memory() -> tuple[int, int, int]:
     """[any] MLX's active bytes, its buffer cache's and that cache's cap: the process's, every stream's.
-    MLX has no getter for the cap; setting one returns the one before, which is put straight back."""
-    with _CACHE_LIMIT_READ:
-        limit = mx.set_cache_limit(1 << 62)
-        mx.set_cache_limit(limit)
-    return mx.get_active_memory(), mx.get_cache_memory(), int(limit)
+    The two getters read counters and never wait for an evaluation in flight."""
+    return mx.get_active_memory(), mx.get_cache_memory(), mlx_cache_limit()
 
 
 def give_back() -> None:
