@@ -42,6 +42,11 @@ async def running_engine(path: Path, **config: Any) -> AsyncIterator[AsyncEngine
         await engine.shutdown()
 
 
+
+def anon_rss_kib() -> int:
+    """This process's anonymous resident memory (the heap, MLX's buffers; not mapped files), in KiB."""
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon"))
+
 @dataclass(slots=True)
 class Result:
     token_ids: list[int] = field(default_factory=list)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import scene
+from conftest import anon_rss_kib, scene
 
 from vlmserve.engine.loader import load_model
 from vlmserve.preprocess import prompt as prompt_module
@@ -84,3 +85,36 @@ def _drain(builder: PromptBuilder) -> list[Any]:
     while not builder.spares.empty():
         out.append(builder.spares.get_nowait())
     return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon from /proc")
+def test_renewed_threads_take_the_tokenizers_thread_local_caches_with_them() -> None:
+    """tokenizers (0.23) keeps each BPE model's word cache in a thread-local map that dropping the model
+    leaves behind: on a thread that lives on, every tokenizer used and dropped stays (~77 KiB each here,
+    what a swapping ``--model-dir`` server grew by). A renewed pool's old threads end, and that memory with
+    them; work submitted during a renewal still runs."""
+    from tokenizers import Tokenizer
+
+    from vlmserve.preprocess.pool import RenewablePool
+
+    path = str(build_model("gemma3", "micro") / "tokenizer.json")
+    text = " ".join(f"word{i} thing{i * 7} alpha{i % 13}" for i in range(200))
+    pool = RenewablePool(2, "renew-test")
+
+    def one(renew: bool) -> list[int]:
+        tokenizer = Tokenizer.from_file(path)
+        ids = [pool.submit(tokenizer.encode, text) for _ in range(2)]
+        if renew:
+            pool.renew()  # while the two encodes may still be queued on the old threads
+        return [len(f.result(timeout=60).ids) for f in ids]
+
+    for _ in range(20):
+        one(True)
+    before = anon_rss_kib()
+    lengths = {n for _ in range(200) for n in one(True)}
+    grown = anon_rss_kib() - before
+    threads = [t for t in threading.enumerate() if t.name.startswith("renew-test")]
+    pool.shutdown()
+    assert len(lengths) == 1 and pool.renewals == 220
+    assert grown < 3 * 1024, f"{grown} KiB kept over 200 tokenizers"  # without renewing: ~15,000
+    assert len(threads) <= 2 + 2  # the new pool's, and at most the last old pool's, still ending

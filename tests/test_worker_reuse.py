@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import mlx.core as mx
 import pytest
-from conftest import collect
+from conftest import anon_rss_kib, collect
 from server_utils import ServerProcess, start_server
 from test_engine_worker import Broken
 from test_model_dir import model_dir
@@ -109,10 +109,6 @@ def test_a_reused_worker_serves_a_second_model_and_keeps_nothing_of_the_first(ge
         assert repeat == alone
 
     asyncio.run(scenario())
-
-
-def anon_rss_kib() -> int:
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon"))
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon from /proc")

@@ -10,7 +10,6 @@ import os
 import socket
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import uvicorn
@@ -25,6 +24,7 @@ from vlmserve.frontend.async_engine import AsyncEngine
 from vlmserve.http_protocol import guarded_protocol
 from vlmserve.preprocess.decode_budget import DecodeBudget
 from vlmserve.preprocess.media import MediaPolicy
+from vlmserve.preprocess.pool import RenewablePool
 from vlmserve.preprocess.video import VideoSampling
 
 log = logging.getLogger(__name__)
@@ -32,8 +32,8 @@ SEND_BUFFER = 64 * 1024  # bytes the kernel buffers per connection toward a clie
 
 
 def build_state(config: ServeConfig) -> ServerState:
-    pool = ThreadPoolExecutor(max_workers=config.engine.preprocess_threads, thread_name_prefix="preprocess")
-    images = ThreadPoolExecutor(max_workers=config.engine.image_threads, thread_name_prefix="preprocess-images")
+    pool = RenewablePool(config.engine.preprocess_threads, "preprocess")
+    images = RenewablePool(config.engine.image_threads, "preprocess-images")
     served = []
     # the built-in model when nothing else is asked for; a --model-dir alone serves its models only
     for i, spec in enumerate(config.models or (() if config.model_dirs else (None,))):
@@ -58,7 +58,11 @@ def build_state(config: ServeConfig) -> ServerState:
 
         budget = int(config.memory_budget_gb * 2**30) if config.memory_budget_gb else None
         limits = Limits(config.max_loaded_models, budget, config.idle_unload_s or None)
-        state.registry = ModelRegistry(state.models, config.model_dirs, limits, new_engine)
+        def renew_threads() -> None:  # an unloaded model's tokenizers left thread-local caches in phase 1's threads
+            pool.renew()
+            images.renew()
+
+        state.registry = ModelRegistry(state.models, config.model_dirs, limits, new_engine, renew_threads)
     return state
 
 

@@ -16,7 +16,8 @@ unloaded least recently used or when idle. The ``--model`` ones load at start an
   exceeded, the least recently used idle model is unloaded. A model with requests in flight (or one
   about to submit) is never unloaded under them: the load waits for one to be idle. A model nobody has
   used for ``--idle-unload-s`` is unloaded too. Unloading stops the engine (its worker joins), drops it,
-  and gives the memory back (``engine.memory.give_back``).
+  and gives the memory back (``engine.memory.give_back``); phase 1's threads are renewed, so that the
+  tokenizers' thread-local caches go with the model (preprocess/pool.py).
 - **Memory** of a loaded model: its weights as loaded, plus the KV its running requests reserve; of one
   to load, its ``*.safetensors`` files' size until it has loaded.
 """
@@ -106,11 +107,12 @@ class ModelRegistry:
     """The models of ``--model-dir`` beside the pinned ones: which are loaded, and loading and unloading them."""
 
     def __init__(self, models: list[ServedModel], dirs: tuple[Path, ...], limits: Limits,
-                 new_engine: Callable[[str, str], AsyncEngine]) -> None:
+                 new_engine: Callable[[str, str], AsyncEngine], after_unload: Callable[[], object] = lambda: None) -> None:
         self.models = models  # the server's list: pinned first, then what the DIRs hold (updated in place)
         self.dirs = dirs
         self.limits = limits
         self.new_engine = new_engine  # (path, name) -> an engine not started yet
+        self.after_unload = after_unload  # called once an unloaded engine is gone (server.py: new phase-1 threads)
         self._room = asyncio.Lock()  # one load at a time makes room and loads
         self._idle: asyncio.Task[None] | None = None
         self.rescan()
@@ -224,6 +226,7 @@ class ModelRegistry:
         engine.forget()
         del engine
         await asyncio.get_running_loop().run_in_executor(None, give_back)
+        self.after_unload()
         served.unload_seconds = time.perf_counter() - began
         log.info("model %s: unloaded in %.2f s", served.name, served.unload_seconds)
 

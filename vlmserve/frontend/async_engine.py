@@ -16,7 +16,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -113,7 +113,7 @@ class AsyncEngine:
     """One model: its worker thread, its EngineCore, and the asyncio side of every request."""
 
     def __init__(self, model: str, name: str | None = None, config: EngineConfig = EngineConfig(),
-                 pool: ThreadPoolExecutor | None = None, image_pool: ThreadPoolExecutor | None = None) -> None:
+                 pool: Executor | None = None, image_pool: Executor | None = None) -> None:
         self.model_spec = model
         self.name = name or model
         self.config = config

@@ -12,7 +12,7 @@ import copy
 import math
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +60,7 @@ class Pooler:
     """One pooling model's requests: ``embed`` and ``score``."""
 
     def __init__(self, name: str, facts: PoolingFacts, processor: Any, worker: MLXWorkerThread,
-                 runner: PoolingRunner, pool: ThreadPoolExecutor) -> None:
+                 runner: PoolingRunner, pool: Executor) -> None:
         self.name, self.facts, self.processor = name, facts, processor
         self.worker, self.runner, self.pool = worker, runner, pool
         self._waiting: set[asyncio.Future[list[float]]] = set()
