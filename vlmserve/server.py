@@ -58,6 +58,7 @@ def build_state(config: ServeConfig) -> ServerState:
 
         budget = int(config.memory_budget_gb * 2**30) if config.memory_budget_gb else None
         limits = Limits(config.max_loaded_models, budget, config.idle_unload_s or None)
+
         def renew_threads() -> None:  # an unloaded model's tokenizers left thread-local caches in phase 1's threads
             pool.renew()
             images.renew()
